@@ -1,0 +1,3 @@
+from bwstack.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,487 @@
+"""The `bwstack` command line. Each subcommand is a thin wrapper over a module that does the work."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from bwstack import __version__
+from bwstack.errors import BwstackError, UsageError
+from bwstack.lockfile import Lock, default_lock_path, load_lock
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _lock(args: argparse.Namespace) -> Lock:
+    return load_lock(args.lock)
+
+
+def _print_json(payload: object) -> None:
+    json.dump(payload, sys.stdout, indent=2, sort_keys=False, default=str)
+    sys.stdout.write("\n")
+
+
+# ------------------------------------------------------------------------------------------------ lock
+
+
+def cmd_lock(args: argparse.Namespace) -> int:
+    from bwstack import resolve
+
+    lock = _lock(args)
+    if args.check:
+        from bwstack import lockcheck
+
+        report = lockcheck.check_lock(lock, online=not args.offline)
+        if args.json:
+            _print_json(report.as_dict())
+        else:
+            print(report.render())
+        return 0 if report.ok else 1
+    profiles = [args.profile] if args.profile else None
+    if args.profile:
+        lock.profile(args.profile)
+    text = resolve.lock_profiles(lock, profiles, log=lambda msg: print(msg, file=sys.stderr))
+    resolve.write_lock(args.lock, text)
+    print(f"wrote {args.lock}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ show
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from bwstack import show
+
+    lock = _lock(args)
+    profile = lock.profile(args.profile)
+    payload = show.describe(lock, profile)
+    if args.json:
+        _print_json(payload)
+    else:
+        print(show.render(payload))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ plan
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from bwstack import plan
+
+    lock = _lock(args)
+    profile = lock.profile(args.profile)
+    result = plan.plan_env(profile, Path(args.env) if args.env else None, root=args.root, ml_env=args.ml_env)
+    if args.json:
+        _print_json(result.as_dict())
+    else:
+        print(result.render())
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ node ops
+
+
+def _layout(args: argparse.Namespace):
+    from bwstack.generations import Layout
+
+    return Layout.default(args.root, args.ml_env, args.cuda_link)
+
+
+def _build_options(args: argparse.Namespace):
+    from bwstack.build import BuildOptions
+    from bwstack.wheelhouse import Sources
+
+    return BuildOptions(
+        sources=Sources.parse(args.wheelhouse or (), args.index or (), args.offline),
+        allow_unhashed=tuple(args.allow_unhashed or ()),
+        python=args.python,
+        switch=not getattr(args, "no_switch", False),
+        verify_depth=args.verify,
+        ca_bundle=args.ca_bundle,
+    )
+
+
+def _apply_ca(args: argparse.Namespace) -> None:
+    import os
+
+    if getattr(args, "ca_bundle", None):
+        if not Path(args.ca_bundle).is_file():
+            raise UsageError(f"--ca-bundle {args.ca_bundle}: no such file")
+        os.environ["REQUESTS_CA_BUNDLE"] = args.ca_bundle
+        os.environ["SSL_CERT_FILE"] = args.ca_bundle
+
+
+def _report(args: argparse.Namespace, payload: dict, text: str) -> None:
+    if args.json:
+        _print_json(payload)
+    else:
+        print(text)
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from bwstack import build
+
+    lock = _lock(args)
+    profile = lock.profile(args.profile)
+    layout = _layout(args)
+    _apply_ca(args)
+    if args.check:
+        plan = build.plan_build(lock, profile, layout)
+        _report(args, plan, "\n".join(plan["actions"]) or "nothing to do")
+        return 0
+    log = (lambda m: print(m, file=sys.stderr)) if args.json else print
+    result = build.build(lock, profile, layout, _build_options(args), log=log)
+    _report(args, result, f"{'changed' if result['changed'] else 'unchanged'}: {layout.ml_env} -> {result['active']}")
+    return 0
+
+
+def cmd_rollback(args: argparse.Namespace) -> int:
+    from bwstack import build
+
+    if args.target:
+        from bwstack import playbooks
+
+        return playbooks.run_cli("rollback", args)
+    lock = _lock(args)
+    layout = _layout(args)
+    _apply_ca(args)
+    log = (lambda m: print(m, file=sys.stderr)) if args.json else print
+    result = build.rollback(lock, layout, to=args.to, profile_name=args.profile, opts=_build_options(args), log=log)
+    _report(args, result, f"{layout.ml_env} -> {result['generation']}" + (f" ({result['note']})" if result.get("note") else ""))
+    return 0
+
+
+def cmd_backup(args: argparse.Namespace) -> int:
+    from bwstack import backup
+    from bwstack.generations import Store
+    from bwstack.runlock import RunLock
+
+    lock = _lock(args)
+    layout = _layout(args)
+    log = (lambda m: print(m, file=sys.stderr)) if args.json else print
+    with RunLock(layout.root):
+        store = Store(layout, log)
+        store.prepare()
+        backup.finish_interrupted_adoption(store, log)
+        result = backup.backup(store, lock, depth=args.verify, log=log)
+        if args.archive:
+            gen = store.active()
+            if gen is None:
+                raise UsageError("nothing to archive: no active generation")
+            result["archive"] = backup.write_archive(gen, Path(args.archive))
+    text = f"{result['action']}: {result.get('generation')}"
+    if args.archive:
+        text += f"; archive {result['archive']['archive']} ({result['archive']['bytes'] >> 20} MiB, sha256 {result['archive']['sha256'][:16]}...)"
+    _report(args, result, text)
+    return 0
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    from bwstack import backup
+    from bwstack.generations import Store
+    from bwstack.runlock import RunLock
+
+    layout = _layout(args)
+    log = (lambda m: print(m, file=sys.stderr)) if args.json else print
+    with RunLock(layout.root):
+        result = backup.restore(Store(layout, log), Path(args.archive), switch=not args.no_switch, log=log)
+    _report(args, result, f"restored {result['generation']}")
+    return 0
+
+
+def cmd_adopt(args: argparse.Namespace) -> int:
+    from bwstack import backup
+    from bwstack.generations import Store
+    from bwstack.runlock import RunLock
+
+    lock = _lock(args)
+    layout = _layout(args)
+    with RunLock(layout.root):
+        gen = backup.adopt(Store(layout), lock)
+    _report(args, {"generation": gen.name}, f"adopted as {gen.name}")
+    return 0
+
+
+def cmd_generations(args: argparse.Namespace) -> int:
+    from bwstack.generations import Store
+
+    layout = _layout(args)
+    store = Store(layout)
+    active = store.active()
+    rows = []
+    for gen in store.generations():
+        row = {
+            "id": gen.id,
+            "name": gen.name,
+            "profile": gen.profile or f"(adopted, like {gen.record.get('nearest_profile')})",
+            "created": gen.record.get("created"),
+            "size_bytes": gen.record.get("size_bytes"),
+            "active": active is not None and gen.name == active.name,
+            "verified": gen.record.get("verification", {}).get("status"),
+        }
+        if args.check:
+            problems = gen.verify(args.verify)
+            row["integrity"] = "ok" if not problems else f"{len(problems)} problems, e.g. {problems[0]}"
+        rows.append(row)
+    if args.json:
+        _print_json(rows)
+        return 0
+    if not rows:
+        print(f"no generations in {layout.generations}")
+        return 0
+    for r in rows:
+        size = f"{(r['size_bytes'] or 0) / (1 << 30):.1f} GiB"
+        line = f"{'*' if r['active'] else ' '} {r['id']:>4}  {r['name']:<36} {r['profile']:<28} {r['created']}  {size:>9}  {r['verified']}"
+        if "integrity" in r:
+            line += f"  integrity: {r['integrity']}"
+        print(line)
+    return 0
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from bwstack.generations import Store
+    from bwstack.runlock import RunLock
+
+    layout = _layout(args)
+    with RunLock(layout.root):
+        store = Store(layout)
+        store.prepare()
+        removed = store.prune(args.keep)
+    _report(args, {"removed": removed}, "removed: " + (", ".join(removed) or "nothing"))
+    return 0
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from bwstack.targets import Target
+    from bwstack.wheelhouse import Fetcher, Sources, select
+
+    lock = _lock(args)
+    profile = lock.profile(args.profile)
+    closure = profile.require_closure(lock.path)
+    _apply_ca(args)
+    dest = Path(args.dest)
+    fetcher = Fetcher(dest / ".store", Sources.parse(args.wheelhouse or (), args.index or ()), args.allow_unhashed or ())
+    parts = {"env": closure.env, "cuda-toolkit": closure.cuda_toolkit}
+    chosen = {}
+    for part in (["env", "cuda-toolkit"] if args.part == "all" else [args.part]):
+        chosen.update(select(parts[part], Target.of(profile)))
+    wheels = fetcher.fetch_all(chosen)
+    for wheel in wheels.values():
+        out = dest / wheel.file
+        if not out.exists():
+            try:
+                out.hardlink_to(wheel.path)
+            except OSError:
+                import shutil
+
+                shutil.copyfile(wheel.path, out)
+    _report(args, {n: w.as_dict() for n, w in wheels.items()}, f"{len(wheels)} wheels in {dest}")
+    return 0
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from bwstack import requirements
+
+    lock = _lock(args)
+    profile = lock.profile(args.profile)
+    closure = profile.require_closure(lock.path)
+    packages = closure.cuda_toolkit if args.part == "cuda-toolkit" else closure.env
+    if args.layers:
+        out = Path(args.layers)
+        out.mkdir(parents=True, exist_ok=True)
+        files = requirements.render_layers(profile, packages, lock.image_layers)
+        for i, (layer, text) in enumerate(files.items(), 1):
+            (out / f"{i:02d}-{layer}.txt").write_text(text)
+        print("\n".join(str(out / f"{i:02d}-{layer}.txt") for i, layer in enumerate(files, 1)))
+        return 0
+    sys.stdout.write(requirements.render(profile, packages))
+    return 0
+
+
+def cmd_env_install(args: argparse.Namespace) -> int:
+    """Install a rendered requirement file into an env (the Docker build's per-layer step)."""
+    from bwstack import envbuild, requirements
+    from bwstack.targets import Target
+    from bwstack.wheelhouse import Fetcher, Sources, select
+
+    _apply_ca(args)
+    env = Path(args.into)
+    packages = requirements.parse(Path(args.requirements))
+    target = Target(python=args.python_version, glibc_minor=args.glibc)
+    store = Path(args.store) if args.store else env.parent / ".bwstack-wheels"
+    fetcher = Fetcher(store, Sources.parse(args.wheelhouse or (), (), args.offline), args.allow_unhashed or ())
+    wheels = fetcher.fetch_all(select(packages, target))
+    if not (env / "bin" / "python").exists():
+        envbuild.create_venv(env, envbuild.find_python(args.python_version, args.python))
+    envbuild.install(env, wheels, link_mode=args.link_mode, cache_dir=Path(args.uv_cache) if args.uv_cache else None)
+    print(f"installed {len(wheels)} packages into {env}")
+    return 0
+
+
+def cmd_cuda(args: argparse.Namespace) -> int:
+    from bwstack import cudatk
+    from bwstack.wheelhouse import Fetcher, Sources
+
+    lock = _lock(args)
+    profile = lock.profile(args.profile)
+    home = Path(args.prefix or profile.cuda.home)
+    if args.action == "status":
+        st = cudatk.status(home)
+        st_dict = st.as_dict() | {"profile_version": profile.cuda.version, "matches": cudatk.matches(profile, st)}
+        _report(args, st_dict, f"{home}: {st.version or 'absent'} ({st.managed_by}) {st.note}".strip())
+        return 0 if st.exists else 1
+    _apply_ca(args)
+    layout = _layout(args)
+    fetcher = Fetcher(layout.wheel_store, Sources.parse(args.wheelhouse or (), args.index or (), args.offline))
+    before = cudatk.status(home)
+    st = cudatk.install_pip(profile, fetcher, home)
+    payload = st.as_dict() | {"changed": not before.exists}
+    _report(args, payload, f"{home}: CUDA {st.version} ({'installed' if not before.exists else 'already there'})")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bwstack",
+        description="Provision, snapshot, roll back and verify the pinned SM120 LLM-serving stack.",
+    )
+    parser.add_argument("--version", action="version", version=f"bwstack {__version__}")
+    parser.add_argument(
+        "--lock", default=str(default_lock_path()), help="the stack lock (default: %(default)s)"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("lock", help="resolve every profile's closure with hashes, or --check the lock")
+    p.add_argument("--check", action="store_true", help="verify the lock instead of resolving it")
+    p.add_argument("--offline", action="store_true", help="with --check: skip the comparison with PyPI")
+    p.add_argument("--profile", help="resolve only this profile (others keep their closure)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_lock)
+
+    p = sub.add_parser("show", help="what a profile pins")
+    p.add_argument("--profile", help="profile (default: the lock's default_profile)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("plan", help="what provisioning would change in an env (missing, extra, version, hash)")
+    p.add_argument("--profile")
+    p.add_argument("--env", help="the env to compare (default: the active ml-env)")
+    p.add_argument("--root", help="bwstack's store (default: /opt/bwstack as root, else ~/.local/share/bwstack)")
+    p.add_argument("--ml-env")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
+
+    node = argparse.ArgumentParser(add_help=False)
+    node.add_argument("--root", help="bwstack's store (default: /opt/bwstack as root, else ~/.local/share/bwstack)")
+    node.add_argument("--ml-env", help="the env path users run (default: /opt/ml-env as root, else ~/ml-env)")
+    node.add_argument(
+        "--cuda-link", help="the /usr/local/cuda-style link to keep on the active toolkit ('none' to leave it)"
+    )
+    node.add_argument("--json", action="store_true")
+    node.add_argument(
+        "--verify", choices=["quick", "full"], default="quick",
+        help="manifest check before switching: quick (inode/size/mtime, re-hash what moved) or full (every byte)",
+    )  # fmt: skip
+
+    sources = argparse.ArgumentParser(add_help=False)
+    sources.add_argument("--wheelhouse", action="append", help="directory of wheels to use first (repeatable)")
+    sources.add_argument("--index", action="append", help="NAME=URL: a mirror for one of the lock's indexes")
+    sources.add_argument("--offline", action="store_true", help="use only the store and --wheelhouse")
+    sources.add_argument("--ca-bundle", help="CA bundle for TLS (always verified)")
+    sources.add_argument(
+        "--allow-unhashed", action="append", metavar="NAME",
+        help="install NAME although the lock has no sha256 for it (recorded as unverified)",
+    )  # fmt: skip
+    sources.add_argument("--python", help="interpreter for new envs (default: pythonX.Y of the profile)")
+
+    p = sub.add_parser("build", parents=[node, sources], help="back up, build the profile's generation, switch")
+    p.add_argument("--profile")
+    p.add_argument("--no-switch", action="store_true", help="build and commit, but leave the active env")
+    p.add_argument("--check", action="store_true", help="say what would change; change nothing")
+    p.set_defaults(func=cmd_build)
+
+    p = sub.add_parser("rollback", parents=[node, sources], help="switch back to a verified generation")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--to", help="generation id or name")
+    group.add_argument("--profile", help="the newest generation of this profile (built from the lock if none)")
+    p.add_argument("--target", help="run on remote hosts through the rollback playbook (local://, ssh://, ansible://)")
+    p.set_defaults(func=cmd_rollback)
+
+    p = sub.add_parser("backup", parents=[node], help="capture the active env as a verified generation")
+    p.add_argument("--archive", help="also write an off-node archive (tar + zstd, with .sha256)")
+    p.set_defaults(func=cmd_backup)
+
+    p = sub.add_parser("restore", parents=[node], help="bring an archived generation back and switch to it")
+    p.add_argument("archive")
+    p.add_argument("--no-switch", action="store_true")
+    p.set_defaults(func=cmd_restore)
+
+    p = sub.add_parser("adopt", parents=[node], help="turn a hand-made env at --ml-env into a generation")
+    p.set_defaults(func=cmd_adopt)
+
+    p = sub.add_parser("generations", parents=[node], help="list generations")
+    p.add_argument("--check", action="store_true", help="also verify each against its manifest")
+    p.set_defaults(func=cmd_generations)
+
+    p = sub.add_parser("prune", parents=[node], help="remove old generations (never the active or last verified)")
+    p.add_argument("--keep", type=int, required=True)
+    p.set_defaults(func=cmd_prune)
+
+    p = sub.add_parser("fetch", parents=[sources], help="download a profile's wheels (hash-checked) into a directory")
+    p.add_argument("--profile")
+    p.add_argument("--dest", required=True)
+    p.add_argument("--part", choices=["env", "cuda-toolkit", "all"], default="env")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_fetch)
+
+    p = sub.add_parser("render", help="hash-pinned requirements of a profile (stdout), or per Docker layer")
+    p.add_argument("--profile")
+    p.add_argument("--part", choices=["env", "cuda-toolkit"], default="env")
+    p.add_argument("--layers", metavar="DIR", help="write one file per image layer into DIR")
+    p.set_defaults(func=cmd_render)
+
+    env_p = sub.add_parser("env", help="low-level env operations")
+    env_sub = env_p.add_subparsers(dest="env_command", required=True)
+    p = env_sub.add_parser("install", parents=[sources], help="install a rendered requirement file into an env")
+    p.add_argument("--requirements", required=True)
+    p.add_argument("--into", required=True)
+    p.add_argument("--python-version", default="3.12")
+    p.add_argument("--glibc", type=int, default=28, help="manylinux_2_N of the target (default 28)")
+    p.add_argument("--store", help="wheel store (default: beside the env)")
+    p.add_argument("--uv-cache")
+    p.add_argument("--link-mode", default="copy", choices=["copy", "hardlink"])
+    p.set_defaults(func=cmd_env_install)
+
+    p = sub.add_parser("cuda", parents=[node, sources], help="the profile's CUDA toolkit: status, or install (pip)")
+    p.add_argument("action", choices=["status", "install"])
+    p.add_argument("--profile")
+    p.add_argument("--prefix", help="install prefix (default: the profile's cuda.home)")
+    p.set_defaults(func=cmd_cuda)
+
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except BwstackError as exc:
+        message = " | ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
+        print(f"bwstack: error: {message}", file=sys.stderr)
+        return exc.exit_code
+    except BrokenPipeError:
+        return 0
+    except KeyboardInterrupt:
+        print("bwstack: interrupted; nothing was switched", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Data shipped with bwstack: the patch catalogue and the probe's helpers."""

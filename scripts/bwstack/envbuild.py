@@ -1,0 +1,104 @@
+"""Build a Python env from fetched wheels with uv: one implementation for provisioning and the image build."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from bwstack import envinspect
+from bwstack.errors import BwstackError, UsageError
+from bwstack.uvtool import run_uv, uv_env
+from bwstack.wheelhouse import LocalWheel, link_dir
+
+# Where an interpreter of the profile's version is usually found (Ubuntu 24.04: /usr/bin/python3.12).
+PYTHON_SEARCH = ("/usr/bin/python{v}", "/usr/local/bin/python{v}", "~/.pyenv/versions/{v}.*/bin/python{v}")
+
+
+def find_python(version: str, explicit: str | None = None) -> str:
+    """An interpreter for `version` (e.g. "3.12"): the one given, else python3.X on PATH or usual places."""
+    if explicit:
+        if not os.access(explicit, os.X_OK):
+            raise UsageError(f"--python {explicit}: not an executable")
+        return explicit
+    candidates = [shutil.which(f"python{version}")]
+    for pattern in PYTHON_SEARCH:
+        candidates += sorted(glob.glob(os.path.expanduser(pattern.format(v=version))), reverse=True)
+    for candidate in candidates:
+        if candidate and os.access(candidate, os.X_OK) and _runs_as(candidate, version):
+            return candidate
+    raise BwstackError(
+        f"no Python {version} found (the profile's interpreter): install python{version} "
+        f"(Ubuntu 24.04: apt install python3.12-venv) or pass --python PATH"
+    )
+
+
+def _runs_as(python: str, version: str) -> bool:
+    """Whether `python` starts and is `version` (pyenv shims exist for versions that are not selected)."""
+    try:
+        out = subprocess.run(
+            [python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+            capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and out.stdout.strip() == version
+
+
+def create_venv(dest: Path, python: str, *, env: Mapping[str, str] | None = None) -> None:
+    """A relocatable venv: its scripts find their interpreter relative to themselves, so the env can be
+    built under a temporary name and renamed into place."""
+    result = run_uv(["venv", "--relocatable", "--python", python, str(dest)], env=env or uv_env(), capture=True)
+    if result.returncode != 0:
+        raise BwstackError(f"uv venv failed for {dest}: {result.stderr.strip()[-800:]}")
+
+
+def install(
+    env_dir: Path,
+    wheels: Mapping[str, LocalWheel],
+    *,
+    cache_dir: Path | None = None,
+    link_mode: str = "hardlink",
+    ca_bundle: str | None = None,
+) -> None:
+    """Install exactly `wheels` (no resolution, no index, hashes required) into the env."""
+    if not wheels:
+        return
+    python = env_dir / "bin" / "python"
+    extra = {"UV_CACHE_DIR": str(cache_dir)} if cache_dir else {}
+    with tempfile.TemporaryDirectory(prefix="bwstack-install-") as tmp:
+        links = link_dir(wheels, Path(tmp, "wheels"))
+        reqs = Path(tmp, "requirements.txt")
+        reqs.write_text(
+            "".join(f"{w.package}=={w.version} --hash=sha256:{w.sha256}\n" for w in sorted(wheels.values(), key=lambda w: w.package))
+        )
+        args = [
+            "pip", "install", "--python", str(python),
+            "--no-index", "--find-links", str(links),
+            "--require-hashes", "--no-deps", "--only-binary", ":all:",
+            "--link-mode", link_mode, "-r", str(reqs),
+        ]  # fmt: skip
+        result = run_uv(args, env=uv_env(extra, ca_bundle=ca_bundle), capture=True)
+    if result.returncode != 0:
+        detail = result.stderr.strip()[-1200:]
+        if "No space left on device" in detail:
+            raise BwstackError(f"disk full while installing into {env_dir}; nothing was switched")
+        raise BwstackError(f"uv could not install into {env_dir}: {detail}")
+
+
+def differences(env_dir: Path, expected: Mapping[str, str]) -> list[str]:
+    """What the env has that the closure does not, and the other way round, and version mismatches."""
+    have = {name: dist.version for name, dist in envinspect.installed(env_dir).items()}
+    problems = []
+    for name, version in sorted(expected.items()):
+        if name not in have:
+            problems.append(f"{name} {version} missing")
+        elif have[name] != version:
+            problems.append(f"{name} is {have[name]}, expected {version}")
+    for name in sorted(set(have) - set(expected)):
+        problems.append(f"{name} {have[name]} is not in the closure")
+    return problems

@@ -1,0 +1,73 @@
+"""Read what is installed in a Python env from its files alone (no import, no subprocess).
+
+Standard library only: this module also runs on target hosts inside the verify probe.
+"""
+
+from __future__ import annotations
+
+import email.parser
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@dataclass(frozen=True)
+class Installed:
+    name: str  # normalised
+    version: str
+    dist_info: Path
+    installer: str
+
+
+def site_packages(env: Path) -> Path:
+    """The purelib site-packages of a venv (lib/pythonX.Y/site-packages)."""
+    env = Path(env)
+    candidates = sorted(env.glob("lib/python3.*/site-packages"))
+    if not candidates:
+        raise FileNotFoundError(f"{env} is not a Python env: no lib/python3.*/site-packages in it")
+    return candidates[-1]
+
+
+def env_python_version(env: Path) -> str | None:
+    cfg = Path(env) / "pyvenv.cfg"
+    if cfg.is_file():
+        for line in cfg.read_text().splitlines():
+            key, _, value = line.partition("=")
+            if key.strip() in ("version_info", "version"):
+                return ".".join(value.strip().split(".")[:3])
+    match = re.search(r"python(3\.\d+)", str(site_packages(env)))
+    return match.group(1) if match else None
+
+
+def installed(env: Path) -> dict[str, Installed]:
+    sp = site_packages(env)
+    found: dict[str, Installed] = {}
+    for dist_info in sorted(sp.glob("*.dist-info")):
+        meta = dist_info / "METADATA"
+        if not meta.is_file():
+            continue
+        headers = email.parser.Parser().parsestr(meta.read_text(encoding="utf-8", errors="replace"), headersonly=True)
+        name = canonical(headers.get("Name", ""))
+        installer_file = dist_info / "INSTALLER"
+        installer = installer_file.read_text().strip() if installer_file.is_file() else ""
+        found[name] = Installed(name, headers.get("Version", ""), dist_info, installer)
+    return found
+
+
+def record_files(dist: Installed) -> list[Path]:
+    """Files a distribution installed, from its RECORD (paths relative to site-packages resolved)."""
+    record = dist.dist_info / "RECORD"
+    if not record.is_file():
+        return []
+    base = dist.dist_info.parent
+    out = []
+    for line in record.read_text(encoding="utf-8", errors="replace").splitlines():
+        path = line.rsplit(",", 2)[0]
+        if path:
+            out.append(Path(os.path.normpath(base / path)))
+    return out

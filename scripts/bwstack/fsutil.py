@@ -1,0 +1,72 @@
+"""Filesystem primitives that lose nothing when interrupted: atomic writes and renames, fsync'd."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Replace `path` with `data` so that readers see the old or the new content, never a mix."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str, mode: int = 0o644) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"), mode)
+
+
+def atomic_symlink(target: str | os.PathLike, link: Path) -> None:
+    """Point `link` at `target` with one rename: a new process resolves the old or the new target."""
+    link = Path(link)
+    tmp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    os.symlink(target, tmp)
+    try:
+        os.replace(tmp, link)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(link.parent)
+
+
+def free_bytes(path: Path) -> int:
+    path = Path(path)
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def tree_size(path: Path) -> int:
+    """Bytes in a tree, each inode counted once (hard links shared inside the tree count once)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for root, dirs, files in os.walk(path):
+        for name in files + dirs:
+            st = os.lstat(os.path.join(root, name))
+            key = (st.st_dev, st.st_ino)
+            if key not in seen:
+                seen.add(key)
+                total += st.st_blocks * 512
+    return total

@@ -1,0 +1,77 @@
+"""Shared fixtures: the real lock, a fixture stack (small wheels built here), a store under tmp_path."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parents[1]
+REPO = TESTS.parent
+sys.path.insert(0, str(TESTS))
+
+from fixtures import fakestack  # noqa: E402
+
+REAL_LOCK = REPO / "stack.lock.yaml"
+
+
+def bwstack(*args: str, env: dict | None = None, check: bool = False, timeout: int = 900) -> subprocess.CompletedProcess:
+    """Run the real CLI in a subprocess (as a user would)."""
+    full_env = {**os.environ, **(env or {})}
+    result = subprocess.run(
+        [sys.executable, "-m", "bwstack", *args], capture_output=True, text=True, env=full_env, timeout=timeout
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"bwstack {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+@pytest.fixture(scope="session")
+def real_lock_path() -> Path:
+    return REAL_LOCK
+
+
+@pytest.fixture
+def stack(tmp_path: Path):
+    """A fixture stack: lock + wheelhouse + store env vars pointing into tmp_path."""
+    lock, wheelhouse = fakestack.make_stack(tmp_path)
+
+    class Stack:
+        pass
+
+    s = Stack()
+    s.tmp = tmp_path
+    s.lock = lock
+    s.wheelhouse = wheelhouse
+    s.root = tmp_path / "root"
+    s.ml_env = tmp_path / "ml-env"
+    s.cuda_link = tmp_path / "cuda-link"
+    s.env = {
+        "BWSTACK_ROOT": str(s.root),
+        "BWSTACK_ML_ENV": str(s.ml_env),
+        "BWSTACK_CUDA_LINK": str(s.cuda_link),
+    }
+
+    def run(*args: str, check: bool = False, extra_env: dict | None = None):
+        return bwstack("--lock", str(lock), *args, env={**s.env, **(extra_env or {})}, check=check)
+
+    s.run = run
+    s.build = lambda profile="fixture-new", *more: run("build", "--profile", profile, "--wheelhouse", str(wheelhouse), *more)
+    return s
+
+
+def have_python312() -> bool:
+    from bwstack.envbuild import find_python
+
+    try:
+        find_python("3.12")
+        return True
+    except Exception:
+        return False
+
+
+needs_py312 = pytest.mark.skipif(not have_python312(), reason="no Python 3.12 interpreter (the profiles' Python)")
