@@ -36,6 +36,7 @@ from bwstack.generations import (
     now_iso,
     remove_tree,
     seal,
+    write_hook,
 )
 from bwstack.lockfile import Lock
 
@@ -68,10 +69,19 @@ def detect_profile(lock: Lock, env: Path) -> tuple[str | None, str | None, dict]
 
 
 def _cuda_home_guess(profile_home: str | None) -> str | None:
-    for candidate in (os.environ.get("CUDA_HOME"), profile_home, shutil.which("nvcc") and str(Path(shutil.which("nvcc")).resolve().parents[1])):
+    for candidate in (
+        os.environ.get("CUDA_HOME"),
+        profile_home,
+        shutil.which("nvcc") and str(Path(shutil.which("nvcc")).resolve().parents[1]),
+    ):
         if candidate and Path(candidate, "bin").is_dir():
             return str(Path(candidate).resolve())
     return profile_home
+
+
+def _torch_record(env: Path) -> dict:
+    facts = envinspect.import_torch(env)
+    return {} if "error" in facts else facts
 
 
 def adopt(store: Store, lock: Lock, log=print) -> Generation:
@@ -90,11 +100,13 @@ def adopt(store: Store, lock: Lock, log=print) -> Generation:
         )
     exact, nearest, facts = detect_profile(lock, src)
     log(f"adopting {src} ({', '.join(f'{k} {v}' for k, v in facts.items()) or 'no known packages'}) ...")
-    seal(src)
-    entries = manifest.build(src)
-    digest = hashlib.sha256(json.dumps([e.as_row()[:5] for e in entries]).encode()).hexdigest()
+    installed = envinspect.installed(src)
+    digest = hashlib.sha256(json.dumps(sorted((n, d.version) for n, d in installed.items())).encode()).hexdigest()
     gen_id = store.next_id()
     name = generation_name(gen_id, None, digest)
+    write_hook(src, name)  # the generation hook: pins processes to it and sets CUDA_HOME (two small files)
+    seal(src)
+    entries = manifest.build(src)
     building = store.begin(name)
     profile_home = lock.profiles[nearest].cuda.home if nearest else None
     cuda_home = _cuda_home_guess(profile_home)
@@ -111,7 +123,7 @@ def adopt(store: Store, lock: Lock, log=print) -> Generation:
         "cuda_home": cuda_home,
         "patches": [],
         "packages": {n: {"version": d.version} for n, d in envinspect.installed(src).items()},
-        "torch": {"version": facts.get("torch")} if facts.get("torch") else {},
+        "torch": _torch_record(src) if facts.get("torch") else {},
         "verification": {"status": "not-run", "at": now_iso(), "why": "adopted as found"},
         "size_bytes": manifest.total_size(entries),
         "files": len(entries),
@@ -198,7 +210,9 @@ def backup(store: Store, lock: Lock, *, depth: str = "quick", log=print) -> dict
             "seconds": time.perf_counter() - started,
             "note": "the active generation is unchanged since it was sealed; it is its own backup",
         }
-    log(f"{active.name} changed since it was sealed ({len(problems)} paths, e.g. {problems[0]}); snapshotting")
+    log(
+        f"{active.name} changed since it was sealed ({len(problems)} paths, e.g. {problems[0]}); snapshotting"
+    )
     gen_id = store.next_id()
     source_entries = {e.path: e for e in active.manifest_entries()}
     building = store.begin(f"{gen_id:04d}-snapshot")
@@ -216,7 +230,11 @@ def backup(store: Store, lock: Lock, *, depth: str = "quick", log=print) -> dict
         "created": now_iso(),
         "origin": f"snapshot-of:{active.name}",
         "packages": {n: {"version": d.version} for n, d in envinspect.installed(building / "env").items()},
-        "verification": {"status": "not-run", "at": now_iso(), "why": f"snapshot of a modified {active.name}"},
+        "verification": {
+            "status": "not-run",
+            "at": now_iso(),
+            "why": f"snapshot of a modified {active.name}",
+        },
         "drift": [str(p) for p in problems[:50]],
         "size_bytes": manifest.total_size(entries),
         "files": len(entries),
@@ -230,7 +248,12 @@ def backup(store: Store, lock: Lock, *, depth: str = "quick", log=print) -> dict
     fsync_dir(layout.generations)
     gen = Generation(final, record)
     store.switch(gen, why=f"snapshot of modified {active.name}", post_check=False)
-    return {"action": "snapshot", "generation": gen.name, "from": active.name, "seconds": time.perf_counter() - started}
+    return {
+        "action": "snapshot",
+        "generation": gen.name,
+        "from": active.name,
+        "seconds": time.perf_counter() - started,
+    }
 
 
 # ------------------------------------------------------------------------------------------------ archive
@@ -258,7 +281,10 @@ def write_archive(gen: Generation, path: Path, level: int = 3) -> dict:
         with open(partial, "wb") as raw:
             hashing = _HashingWriter(raw)
             compressor = zstandard.ZstdCompressor(level=level, threads=-1)
-            with compressor.stream_writer(hashing, closefd=False) as zst, tarfile.open(fileobj=zst, mode="w|") as tar:
+            with (
+                compressor.stream_writer(hashing, closefd=False) as zst,
+                tarfile.open(fileobj=zst, mode="w|") as tar,
+            ):
                 for rel in (RECORD, MANIFEST):
                     tar.add(gen.path / rel, arcname=f"{ARCHIVE_TOP}/{rel}")
                 if gen.cuda.is_symlink():
@@ -276,22 +302,37 @@ def write_archive(gen: Generation, path: Path, level: int = 3) -> dict:
     except OSError as exc:
         partial.unlink(missing_ok=True)
         if exc.errno == errno.ENOSPC:
-            raise BwstackError(f"disk full while writing {path}; removed the partial archive, nothing else changed") from None
+            raise BwstackError(
+                f"disk full while writing {path}; removed the partial archive, nothing else changed"
+            ) from None
         raise BwstackError(f"cannot write {path}: {exc.strerror}") from None
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
-    return {"archive": str(path), "sha256": sha, "bytes": path.stat().st_size, "seconds": time.perf_counter() - started}
+    return {
+        "archive": str(path),
+        "sha256": sha,
+        "bytes": path.stat().st_size,
+        "seconds": time.perf_counter() - started,
+    }
 
 
 def _safe_member(member: tarfile.TarInfo) -> None:
     name = member.name
-    if name.startswith("/") or ".." in Path(name).parts or not (name == ARCHIVE_TOP or name.startswith(ARCHIVE_TOP + "/")):
-        raise IntegrityError(f"archive member {name!r} would land outside the generation; refusing the archive")
+    if (
+        name.startswith("/")
+        or ".." in Path(name).parts
+        or not (name == ARCHIVE_TOP or name.startswith(ARCHIVE_TOP + "/"))
+    ):
+        raise IntegrityError(
+            f"archive member {name!r} would land outside the generation; refusing the archive"
+        )
     if not (member.isfile() or member.isdir() or member.issym() or member.islnk()):
         raise IntegrityError(f"archive member {name!r} is a device or fifo; refusing the archive")
     if member.islnk() and (member.linkname.startswith("/") or ".." in Path(member.linkname).parts):
-        raise IntegrityError(f"archive hard link {name!r} points outside the generation; refusing the archive")
+        raise IntegrityError(
+            f"archive hard link {name!r} points outside the generation; refusing the archive"
+        )
 
 
 def restore(store: Store, path: Path, *, switch: bool = True, log=print) -> dict:
@@ -305,14 +346,20 @@ def restore(store: Store, path: Path, *, switch: bool = True, log=print) -> dict
         want = sidecar.read_text().split()[0]
         got = manifest.hash_file(path)
         if got != want:
-            raise IntegrityError(f"{path}: sha256 {got} does not match {sidecar.name} ({want}); refusing to restore")
+            raise IntegrityError(
+                f"{path}: sha256 {got} does not match {sidecar.name} ({want}); refusing to restore"
+            )
     else:
         log(f"warning: no {sidecar.name} beside the archive; relying on the manifest inside it")
     store.prepare()
     gen_id = store.next_id()
     building = store.begin(f"{gen_id:04d}-restore")
     try:
-        with open(path, "rb") as raw, zstandard.ZstdDecompressor().stream_reader(raw) as zst, tarfile.open(fileobj=zst, mode="r|") as tar:
+        with (
+            open(path, "rb") as raw,
+            zstandard.ZstdDecompressor().stream_reader(raw) as zst,
+            tarfile.open(fileobj=zst, mode="r|") as tar,
+        ):
             for member in tar:
                 _safe_member(member)
                 member.name = member.name[len(ARCHIVE_TOP) :].lstrip("/") or "."
@@ -346,7 +393,9 @@ def restore(store: Store, path: Path, *, switch: bool = True, log=print) -> dict
     doc["files"] = [e.as_row() for e in entries]
     original = record.get("id")
     name = generation_name(gen_id, record.get("profile"), doc.get("generation", "")[-12:] or "restored")
-    record.update({"id": gen_id, "origin": f"restored:{path} (was generation {original})", "restored": now_iso()})
+    record.update(
+        {"id": gen_id, "origin": f"restored:{path} (was generation {original})", "restored": now_iso()}
+    )
     doc["generation"] = name
     (building / MANIFEST).write_text(json.dumps(doc, separators=(",", ":")))
     (building / RECORD).write_text(json.dumps(record, indent=2))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,16 @@ from pathlib import Path
 from bwstack import backup, envbuild, envinspect, patches
 from bwstack.errors import BwstackError, UsageError
 from bwstack.fsutil import free_bytes, tree_size
-from bwstack.generations import Generation, Layout, Store, checkpoint, generation_name, now_iso, remove_tree, write_hook
+from bwstack.generations import (
+    Generation,
+    Layout,
+    Store,
+    checkpoint,
+    generation_name,
+    now_iso,
+    remove_tree,
+    write_hook,
+)
 from bwstack.lockfile import Lock, Profile
 from bwstack.runlock import RunLock
 from bwstack.targets import Target
@@ -42,7 +50,11 @@ def closure_digest(profile: Profile) -> str:
     """What decides an env's content: interpreter, patches and the exact wheel of every package."""
     closure = profile.require_closure("stack.lock.yaml")
     chosen = select(closure.env, Target.of(profile))
-    payload = [profile.python, list(profile.patches), sorted((n, w.file, w.sha256 or "") for n, (_, w) in chosen.items())]
+    payload = [
+        profile.python,
+        list(profile.patches),
+        sorted((n, w.file, w.sha256 or "") for n, (_, w) in chosen.items()),
+    ]
     return "sha256:" + hashlib.sha256(json.dumps(payload).encode()).hexdigest()
 
 
@@ -65,7 +77,9 @@ def plan_build(lock: Lock, profile: Profile, layout: Layout) -> dict:
     if layout.ml_env.is_dir() and not layout.ml_env.is_symlink():
         actions.append(f"adopt {layout.ml_env} as a generation (no copy)")
     if built is None:
-        actions.append(f"build a {profile.name} generation ({len(profile.require_closure(lock.path).env)} packages)")
+        actions.append(
+            f"build a {profile.name} generation ({len(profile.require_closure(lock.path).env)} packages)"
+        )
     if active is None or built is None or active.name != built.name:
         actions.append(f"switch {layout.ml_env} to the {profile.name} generation")
     return {
@@ -84,22 +98,6 @@ def _required_bytes(wheels: dict[str, LocalWheel], uv_cache: Path) -> int:
     return max(int(wheel_bytes * 2.5) - cached, 0) + GIB
 
 
-def _import_check(env: Path) -> dict:
-    code = (
-        "import json\n"
-        "try:\n"
-        "    import torch\n"
-        "    print(json.dumps({'version': torch.__version__, 'cuda': torch.version.cuda}))\n"
-        "except ImportError as exc:\n"
-        "    print(json.dumps({'error': str(exc)}))\n"
-    )
-    scrubbed = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    result = subprocess.run([str(env / "bin" / "python"), "-c", code], capture_output=True, text=True, env=scrubbed, timeout=600)
-    if result.returncode != 0:
-        return {"error": result.stderr.strip()[-500:]}
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
 def _verify_new_env(profile: Profile, env: Path, expected: dict[str, str]) -> tuple[dict, dict]:
     checks = []
     problems = envbuild.differences(env, expected)
@@ -110,7 +108,7 @@ def _verify_new_env(profile: Profile, env: Path, expected: dict[str, str]) -> tu
     checks.append({"check": "patches applied", "ok": not bad, "detail": [str(s) for s in bad]})
     torch: dict = {}
     if "torch" in expected:
-        torch = _import_check(env)
+        torch = envinspect.import_torch(env)
         ok = "error" not in torch and torch.get("version") == expected["torch"]
         checks.append({"check": "import torch", "ok": ok, "detail": torch})
     status = "passed" if all(c["ok"] for c in checks) else "failed"
@@ -274,7 +272,9 @@ def _rollback_target(store: Store, active: Generation | None, to: str | None, pr
         return store.get(to)
     gens = [g for g in store.generations() if active is None or g.name != active.name]
     if profile_name is not None:
-        matching = [g for g in gens if g.profile == profile_name or g.record.get("nearest_profile") == profile_name]
+        matching = [
+            g for g in gens if g.profile == profile_name or g.record.get("nearest_profile") == profile_name
+        ]
         return matching[-1] if matching else None
     for entry in reversed(store.history()):
         if entry.get("from") and (active is None or entry["from"] != active.name):
@@ -285,7 +285,11 @@ def _rollback_target(store: Store, active: Generation | None, to: str | None, pr
 
 
 def ensure_ml_env_free(layout: Layout) -> None:
-    if layout.ml_env.exists() and not layout.ml_env.is_symlink() and not (layout.ml_env / "pyvenv.cfg").exists():
+    if (
+        layout.ml_env.exists()
+        and not layout.ml_env.is_symlink()
+        and not (layout.ml_env / "pyvenv.cfg").exists()
+    ):
         raise UsageError(f"{layout.ml_env} exists and is not a Python env; choose another --ml-env")
 
 

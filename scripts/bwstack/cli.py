@@ -134,7 +134,11 @@ def cmd_build(args: argparse.Namespace) -> int:
         return 0
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
     result = build.build(lock, profile, layout, _build_options(args), log=log)
-    _report(args, result, f"{'changed' if result['changed'] else 'unchanged'}: {layout.ml_env} -> {result['active']}")
+    _report(
+        args,
+        result,
+        f"{'changed' if result['changed'] else 'unchanged'}: {layout.ml_env} -> {result['active']}",
+    )
     return 0
 
 
@@ -149,8 +153,14 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     layout = _layout(args)
     _apply_ca(args)
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
-    result = build.rollback(lock, layout, to=args.to, profile_name=args.profile, opts=_build_options(args), log=log)
-    _report(args, result, f"{layout.ml_env} -> {result['generation']}" + (f" ({result['note']})" if result.get("note") else ""))
+    result = build.rollback(
+        lock, layout, to=args.to, profile_name=args.profile, opts=_build_options(args), log=log
+    )
+    _report(
+        args,
+        result,
+        f"{layout.ml_env} -> {result['generation']}" + (f" ({result['note']})" if result.get("note") else ""),
+    )
     return 0
 
 
@@ -199,8 +209,9 @@ def cmd_adopt(args: argparse.Namespace) -> int:
 
     lock = _lock(args)
     layout = _layout(args)
+    log = (lambda m: print(m, file=sys.stderr)) if args.json else print
     with RunLock(layout.root):
-        gen = backup.adopt(Store(layout), lock)
+        gen = backup.adopt(Store(layout, log), lock, log)
     _report(args, {"generation": gen.name}, f"adopted as {gen.name}")
     return 0
 
@@ -263,10 +274,12 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     closure = profile.require_closure(lock.path)
     _apply_ca(args)
     dest = Path(args.dest)
-    fetcher = Fetcher(dest / ".store", Sources.parse(args.wheelhouse or (), args.index or ()), args.allow_unhashed or ())
+    fetcher = Fetcher(
+        dest / ".store", Sources.parse(args.wheelhouse or (), args.index or ()), args.allow_unhashed or ()
+    )
     parts = {"env": closure.env, "cuda-toolkit": closure.cuda_toolkit}
     chosen = {}
-    for part in (["env", "cuda-toolkit"] if args.part == "all" else [args.part]):
+    for part in ["env", "cuda-toolkit"] if args.part == "all" else [args.part]:
         chosen.update(select(parts[part], Target.of(profile)))
     wheels = fetcher.fetch_all(chosen)
     for wheel in wheels.values():
@@ -312,11 +325,15 @@ def cmd_env_install(args: argparse.Namespace) -> int:
     packages = requirements.parse(Path(args.requirements))
     target = Target(python=args.python_version, glibc_minor=args.glibc)
     store = Path(args.store) if args.store else env.parent / ".bwstack-wheels"
-    fetcher = Fetcher(store, Sources.parse(args.wheelhouse or (), (), args.offline), args.allow_unhashed or ())
+    fetcher = Fetcher(
+        store, Sources.parse(args.wheelhouse or (), (), args.offline), args.allow_unhashed or ()
+    )
     wheels = fetcher.fetch_all(select(packages, target))
     if not (env / "bin" / "python").exists():
         envbuild.create_venv(env, envbuild.find_python(args.python_version, args.python))
-    envbuild.install(env, wheels, link_mode=args.link_mode, cache_dir=Path(args.uv_cache) if args.uv_cache else None)
+    envbuild.install(
+        env, wheels, link_mode=args.link_mode, cache_dir=Path(args.uv_cache) if args.uv_cache else None
+    )
     print(f"installed {len(wheels)} packages into {env}")
     return 0
 
@@ -330,16 +347,70 @@ def cmd_cuda(args: argparse.Namespace) -> int:
     home = Path(args.prefix or profile.cuda.home)
     if args.action == "status":
         st = cudatk.status(home)
-        st_dict = st.as_dict() | {"profile_version": profile.cuda.version, "matches": cudatk.matches(profile, st)}
+        st_dict = st.as_dict() | {
+            "profile_version": profile.cuda.version,
+            "matches": cudatk.matches(profile, st),
+        }
         _report(args, st_dict, f"{home}: {st.version or 'absent'} ({st.managed_by}) {st.note}".strip())
         return 0 if st.exists else 1
     _apply_ca(args)
     layout = _layout(args)
-    fetcher = Fetcher(layout.wheel_store, Sources.parse(args.wheelhouse or (), args.index or (), args.offline))
+    fetcher = Fetcher(
+        layout.wheel_store, Sources.parse(args.wheelhouse or (), args.index or (), args.offline)
+    )
     before = cudatk.status(home)
     st = cudatk.install_pip(profile, fetcher, home)
     payload = st.as_dict() | {"changed": not before.exists}
-    _report(args, payload, f"{home}: CUDA {st.version} ({'installed' if not before.exists else 'already there'})")
+    _report(
+        args, payload, f"{home}: CUDA {st.version} ({'installed' if not before.exists else 'already there'})"
+    )
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ patches
+
+
+def _env_site_packages(args: argparse.Namespace) -> Path:
+    from bwstack import envinspect
+
+    env = Path(args.env) if args.env else _layout(args).ml_env
+    try:
+        return envinspect.site_packages(env)
+    except FileNotFoundError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def cmd_patch(args: argparse.Namespace) -> int:
+    from bwstack import patches
+
+    site = _env_site_packages(args)
+    ids = args.patch or list(_lock(args).profile(args.profile).patches)
+    if args.action == "status":
+        states = patches.status(site, ids)
+        payload = [s.as_dict() for s in states]
+        text = "\n".join(f"{s.patch_id}: {s.state} ({s.package} {s.version or 'not installed'}) {s.reason}".rstrip() for s in states)
+        _report(args, payload, text)
+        return 0
+    results = patches.apply(site, ids) if args.action == "apply" else patches.revert(site, ids)
+    payload = [r.as_dict() for r in results]
+    text = "\n".join(f"{r.patch_id}: {r.action} ({r.package} {r.version})" for r in results)
+    _report(args, payload, text)
+    return 0
+
+
+def cmd_features(args: argparse.Namespace) -> int:
+    from bwstack import features
+
+    site = _env_site_packages(args)
+    report = features.report(site, args.capability)
+    if args.json:
+        _print_json(report)
+        return 0
+    print(f"SM{args.capability.replace('.', '')} features of {site}:")
+    for key in ("torch_symm_mem_allreduce", "flashinfer_allreduce_fusion"):
+        item = report[key]
+        print(f"  {key}: {item['state'].upper()}")
+        print(f"    {item['reason']}")
     return 0
 
 
@@ -369,19 +440,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_show)
 
-    p = sub.add_parser("plan", help="what provisioning would change in an env (missing, extra, version, hash)")
+    p = sub.add_parser(
+        "plan", help="what provisioning would change in an env (missing, extra, version, hash)"
+    )
     p.add_argument("--profile")
     p.add_argument("--env", help="the env to compare (default: the active ml-env)")
-    p.add_argument("--root", help="bwstack's store (default: /opt/bwstack as root, else ~/.local/share/bwstack)")
+    p.add_argument(
+        "--root", help="bwstack's store (default: /opt/bwstack as root, else ~/.local/share/bwstack)"
+    )
     p.add_argument("--ml-env")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
 
     node = argparse.ArgumentParser(add_help=False)
-    node.add_argument("--root", help="bwstack's store (default: /opt/bwstack as root, else ~/.local/share/bwstack)")
+    node.add_argument(
+        "--root", help="bwstack's store (default: /opt/bwstack as root, else ~/.local/share/bwstack)"
+    )
     node.add_argument("--ml-env", help="the env path users run (default: /opt/ml-env as root, else ~/ml-env)")
     node.add_argument(
-        "--cuda-link", help="the /usr/local/cuda-style link to keep on the active toolkit ('none' to leave it)"
+        "--cuda-link",
+        help="the /usr/local/cuda-style link to keep on the active toolkit ('none' to leave it)",
     )
     node.add_argument("--json", action="store_true")
     node.add_argument(
@@ -390,7 +468,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
 
     sources = argparse.ArgumentParser(add_help=False)
-    sources.add_argument("--wheelhouse", action="append", help="directory of wheels to use first (repeatable)")
+    sources.add_argument(
+        "--wheelhouse", action="append", help="directory of wheels to use first (repeatable)"
+    )
     sources.add_argument("--index", action="append", help="NAME=URL: a mirror for one of the lock's indexes")
     sources.add_argument("--offline", action="store_true", help="use only the store and --wheelhouse")
     sources.add_argument("--ca-bundle", help="CA bundle for TLS (always verified)")
@@ -400,7 +480,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     sources.add_argument("--python", help="interpreter for new envs (default: pythonX.Y of the profile)")
 
-    p = sub.add_parser("build", parents=[node, sources], help="back up, build the profile's generation, switch")
+    p = sub.add_parser(
+        "build", parents=[node, sources], help="back up, build the profile's generation, switch"
+    )
     p.add_argument("--profile")
     p.add_argument("--no-switch", action="store_true", help="build and commit, but leave the active env")
     p.add_argument("--check", action="store_true", help="say what would change; change nothing")
@@ -409,8 +491,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rollback", parents=[node, sources], help="switch back to a verified generation")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--to", help="generation id or name")
-    group.add_argument("--profile", help="the newest generation of this profile (built from the lock if none)")
-    p.add_argument("--target", help="run on remote hosts through the rollback playbook (local://, ssh://, ansible://)")
+    group.add_argument(
+        "--profile", help="the newest generation of this profile (built from the lock if none)"
+    )
+    p.add_argument(
+        "--target", help="run on remote hosts through the rollback playbook (local://, ssh://, ansible://)"
+    )
     p.set_defaults(func=cmd_rollback)
 
     p = sub.add_parser("backup", parents=[node], help="capture the active env as a verified generation")
@@ -429,11 +515,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="also verify each against its manifest")
     p.set_defaults(func=cmd_generations)
 
-    p = sub.add_parser("prune", parents=[node], help="remove old generations (never the active or last verified)")
+    p = sub.add_parser(
+        "prune", parents=[node], help="remove old generations (never the active or last verified)"
+    )
     p.add_argument("--keep", type=int, required=True)
     p.set_defaults(func=cmd_prune)
 
-    p = sub.add_parser("fetch", parents=[sources], help="download a profile's wheels (hash-checked) into a directory")
+    p = sub.add_parser(
+        "fetch", parents=[sources], help="download a profile's wheels (hash-checked) into a directory"
+    )
     p.add_argument("--profile")
     p.add_argument("--dest", required=True)
     p.add_argument("--part", choices=["env", "cuda-toolkit", "all"], default="env")
@@ -448,7 +538,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     env_p = sub.add_parser("env", help="low-level env operations")
     env_sub = env_p.add_subparsers(dest="env_command", required=True)
-    p = env_sub.add_parser("install", parents=[sources], help="install a rendered requirement file into an env")
+    p = env_sub.add_parser(
+        "install", parents=[sources], help="install a rendered requirement file into an env"
+    )
     p.add_argument("--requirements", required=True)
     p.add_argument("--into", required=True)
     p.add_argument("--python-version", default="3.12")
@@ -458,11 +550,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--link-mode", default="copy", choices=["copy", "hardlink"])
     p.set_defaults(func=cmd_env_install)
 
-    p = sub.add_parser("cuda", parents=[node, sources], help="the profile's CUDA toolkit: status, or install (pip)")
+    p = sub.add_parser(
+        "cuda", parents=[node, sources], help="the profile's CUDA toolkit: status, or install (pip)"
+    )
     p.add_argument("action", choices=["status", "install"])
     p.add_argument("--profile")
     p.add_argument("--prefix", help="install prefix (default: the profile's cuda.home)")
     p.set_defaults(func=cmd_cuda)
+
+    envsel = argparse.ArgumentParser(add_help=False)
+    envsel.add_argument("--env", help="the env (default: the active ml-env)")
+    envsel.add_argument("--root", help=argparse.SUPPRESS)
+    envsel.add_argument("--ml-env", help=argparse.SUPPRESS)
+    envsel.add_argument("--cuda-link", help=argparse.SUPPRESS)
+    envsel.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("patch", parents=[envsel], help="SGLang SM120 patches: apply, revert or show their state")
+    p.add_argument("action", choices=["apply", "revert", "status"])
+    p.add_argument("--patch", action="append", help="patch id (default: the profile's patches)")
+    p.add_argument("--profile")
+    p.set_defaults(func=cmd_patch)
+
+    p = sub.add_parser("features", parents=[envsel], help="what the installed code will really do on SM120")
+    p.add_argument("--capability", default="12.0", help="target compute capability (default 12.0)")
+    p.set_defaults(func=cmd_features)
 
     return parser
 

@@ -100,13 +100,30 @@ def install_pip(profile: Profile, fetcher: Fetcher, home: Path | None = None, lo
         site = building / "site"
         links = link_dir(wheels, building / "wheels")
         reqs = building / "requirements.txt"
-        reqs.write_text("".join(f"{w.package}=={w.version} --hash=sha256:{w.sha256}\n" for w in wheels.values()))
+        reqs.write_text(
+            "".join(f"{w.package}=={w.version} --hash=sha256:{w.sha256}\n" for w in wheels.values())
+        )
         result = run_uv(
             [
-                "pip", "install", "--target", str(site), "--no-index", "--find-links", str(links),
-                "--require-hashes", "--no-deps", "--only-binary", ":all:", "--link-mode", "copy",
-                "--python-version", profile.python, "--python-platform", f"x86_64-manylinux_2_{Target.of(profile).glibc_minor}",
-                "-r", str(reqs),
+                "pip",
+                "install",
+                "--target",
+                str(site),
+                "--no-index",
+                "--find-links",
+                str(links),
+                "--require-hashes",
+                "--no-deps",
+                "--only-binary",
+                ":all:",
+                "--link-mode",
+                "copy",
+                "--python-version",
+                profile.python,
+                "--python-platform",
+                f"x86_64-manylinux_2_{Target.of(profile).glibc_minor}",
+                "-r",
+                str(reqs),
             ],  # fmt: skip
             env=uv_env(),
             capture=True,
@@ -116,9 +133,13 @@ def install_pip(profile: Profile, fetcher: Fetcher, home: Path | None = None, lo
         root = building / "root"
         _lay_out(site / "nvidia", root)
         nvcc = root / "bin" / "nvcc"
-        note = "" if nvcc.is_file() else (
-            "NVIDIA's PyPI wheels for this CUDA release ship no nvcc (only ptxas and NVVM): FlashInfer cannot "
-            "JIT-compile SM120 kernels with this toolkit; use the apt method for a full toolkit"
+        note = (
+            ""
+            if nvcc.is_file()
+            else (
+                "NVIDIA's PyPI wheels for this CUDA release ship no nvcc (only ptxas and NVVM): FlashInfer cannot "
+                "JIT-compile SM120 kernels with this toolkit; use the apt method for a full toolkit"
+            )
         )
         marker = {
             "cuda_version": profile.cuda.version,

@@ -1,6 +1,6 @@
 """Static "ldd -r" for shared libraries: DT_NEEDED, RPATH, dynamic symbols and the torch ABI check.
 
-Reads the files with pyelftools (the symbol tables in bulk with struct, which is ~50x faster on the
+Reads the files with pyelftools (the symbol tables in bulk with struct: ~8x faster than iter_symbols on the
 400 MB libtorch_cpu.so); nothing is loaded or executed, so it works on a box without GPU or driver.
 Standard library plus pyelftools: this module also runs on target hosts inside the verify probe.
 """
@@ -14,11 +14,13 @@ import re
 import shutil
 import struct
 import subprocess
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 
 ELF_MAGIC = b"\x7fELF"
@@ -40,6 +42,17 @@ def check_elf(path: str | os.PathLike[str]) -> None:
         head = fh.read(4)
     if head != ELF_MAGIC:
         raise NotElfError(f"{path}: not an ELF file (starts with {head!r})")
+
+
+@contextmanager
+def open_elf(path: str | os.PathLike[str]) -> Iterator[ELFFile]:
+    """pyelftools' ELFFile on ``path``; a non-ELF or corrupt file raises NotElfError (also from the body)."""
+    check_elf(path)
+    with open(path, "rb") as fh:
+        try:
+            yield ELFFile(fh)
+        except (ELFError, struct.error) as exc:
+            raise NotElfError(f"{path}: unreadable ELF file ({exc})") from exc
 
 
 # ------------------------------------------------------------------------------------- dynamic section
@@ -71,14 +84,12 @@ def _key(path: str | os.PathLike[str]) -> tuple[str, int, int]:
 @lru_cache(maxsize=512)
 def _dynamic_info(key: tuple[str, int, int]) -> DynamicInfo:
     path = key[0]
-    check_elf(path)
     origin = os.path.dirname(path)
     soname: str | None = None
     needed: list[str] = []
     rpath: list[str] = []
     runpath: list[str] = []
-    with open(path, "rb") as fh:
-        elf = ELFFile(fh)
+    with open_elf(path) as elf:
         ident = _ident(elf)
         dynamic = next((s for s in elf.iter_sections() if s["sh_type"] == "SHT_DYNAMIC"), None)
         if dynamic is None:
@@ -145,9 +156,7 @@ _VISIBILITY = ("DEFAULT", "INTERNAL", "HIDDEN", "PROTECTED")
 @lru_cache(maxsize=32)
 def _dynamic_symbols(key: tuple[str, int, int]) -> tuple[Symbol, ...]:
     path = key[0]
-    check_elf(path)
-    with open(path, "rb") as fh:
-        elf = ELFFile(fh)
+    with open_elf(path) as elf:
         dynsym = next((s for s in elf.iter_sections() if s["sh_type"] == "SHT_DYNSYM"), None)
         if dynsym is None:
             return ()

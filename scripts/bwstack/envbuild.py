@@ -13,7 +13,7 @@ from pathlib import Path
 from bwstack import envinspect
 from bwstack.errors import BwstackError, UsageError
 from bwstack.uvtool import run_uv, uv_env
-from bwstack.wheelhouse import LocalWheel, link_dir
+from bwstack.wheelhouse import LocalWheel
 
 # Where an interpreter of the profile's version is usually found (Ubuntu 24.04: /usr/bin/python3.12).
 PYTHON_SEARCH = ("/usr/bin/python{v}", "/usr/local/bin/python{v}", "~/.pyenv/versions/{v}.*/bin/python{v}")
@@ -52,7 +52,9 @@ def _runs_as(python: str, version: str) -> bool:
 def create_venv(dest: Path, python: str, *, env: Mapping[str, str] | None = None) -> None:
     """A relocatable venv: its scripts find their interpreter relative to themselves, so the env can be
     built under a temporary name and renamed into place."""
-    result = run_uv(["venv", "--relocatable", "--python", python, str(dest)], env=env or uv_env(), capture=True)
+    result = run_uv(
+        ["venv", "--relocatable", "--python", python, str(dest)], env=env or uv_env(), capture=True
+    )
     if result.returncode != 0:
         raise BwstackError(f"uv venv failed for {dest}: {result.stderr.strip()[-800:]}")
 
@@ -70,24 +72,44 @@ def install(
         return
     python = env_dir / "bin" / "python"
     extra = {"UV_CACHE_DIR": str(cache_dir)} if cache_dir else {}
+    # Direct file references into the content-addressed store: stable paths, so uv's cache (keyed on the
+    # wheel's location) unpacks each wheel once and later generations hard-link the same files.
     with tempfile.TemporaryDirectory(prefix="bwstack-install-") as tmp:
-        links = link_dir(wheels, Path(tmp, "wheels"))
         reqs = Path(tmp, "requirements.txt")
         reqs.write_text(
-            "".join(f"{w.package}=={w.version} --hash=sha256:{w.sha256}\n" for w in sorted(wheels.values(), key=lambda w: w.package))
+            "".join(
+                f"{w.package} @ {w.path.absolute().as_uri()} --hash=sha256:{w.sha256}\n"
+                for w in sorted(wheels.values(), key=lambda w: w.package)
+            )
         )
         args = [
-            "pip", "install", "--python", str(python),
-            "--no-index", "--find-links", str(links),
+            "pip", "install", "--python", str(python), "--no-index",
             "--require-hashes", "--no-deps", "--only-binary", ":all:",
             "--link-mode", link_mode, "-r", str(reqs),
         ]  # fmt: skip
         result = run_uv(args, env=uv_env(extra, ca_bundle=ca_bundle), capture=True)
+    if cache_dir is not None:
+        drop_world_write(cache_dir)
     if result.returncode != 0:
         detail = result.stderr.strip()[-1200:]
         if "No space left on device" in detail:
             raise BwstackError(f"disk full while installing into {env_dir}; nothing was switched")
         raise BwstackError(f"uv could not install into {env_dir}: {detail}")
+
+
+def drop_world_write(cache_dir: Path) -> None:
+    """uv creates its lock files mode 0666 (shared caches); bwstack's store keeps nothing world-writable."""
+    for dirpath, dirnames, filenames in os.walk(cache_dir):
+        if dirpath == str(cache_dir):
+            dirnames[:] = [
+                d for d in dirnames if not d.startswith("archive-")
+            ]  # unpacked wheels: uv's own modes
+        for name in filenames:
+            if name.endswith(".lock"):
+                path = os.path.join(dirpath, name)
+                mode = os.lstat(path).st_mode
+                if mode & 0o022:
+                    os.chmod(path, mode & 0o755)
 
 
 def differences(env_dir: Path, expected: Mapping[str, str]) -> list[str]:

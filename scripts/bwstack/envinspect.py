@@ -6,8 +6,10 @@ Standard library only: this module also runs on target hosts inside the verify p
 from __future__ import annotations
 
 import email.parser
+import json
 import os
 import re
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +53,9 @@ def installed(env: Path) -> dict[str, Installed]:
         meta = dist_info / "METADATA"
         if not meta.is_file():
             continue
-        headers = email.parser.Parser().parsestr(meta.read_text(encoding="utf-8", errors="replace"), headersonly=True)
+        headers = email.parser.Parser().parsestr(
+            meta.read_text(encoding="utf-8", errors="replace"), headersonly=True
+        )
         name = canonical(headers.get("Name", ""))
         installer_file = dist_info / "INSTALLER"
         installer = installer_file.read_text().strip() if installer_file.is_file() else ""
@@ -71,3 +75,25 @@ def record_files(dist: Installed) -> list[Path]:
         if path:
             out.append(Path(os.path.normpath(base / path)))
     return out
+
+
+def import_torch(env: Path) -> dict:
+    """torch's version and CUDA as the env's own interpreter reports them ({'error': ...} when it cannot)."""
+    code = (
+        "import json\n"
+        "try:\n"
+        "    import torch\n"
+        "    print(json.dumps({'version': torch.__version__, 'cuda': torch.version.cuda}))\n"
+        "except ImportError as exc:\n"
+        "    print(json.dumps({'error': str(exc)}))\n"
+    )
+    scrubbed = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    try:
+        result = subprocess.run(
+            [str(Path(env) / "bin" / "python"), "-c", code], capture_output=True, text=True, env=scrubbed, timeout=600
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"error": str(exc)}
+    if result.returncode != 0:
+        return {"error": result.stderr.strip()[-500:]}
+    return json.loads(result.stdout.strip().splitlines()[-1])

@@ -19,12 +19,9 @@ import struct
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from elftools.elf.elffile import ELFFile
-
-from bwstack.elfscan import NotElfError, check_elf
+from bwstack.elfscan import NotElfError, open_elf
 
 CONTAINER_MAGIC = 0xBA55ED50
 FLAG_LZ4 = 0x2000
@@ -73,29 +70,22 @@ class FatbinEntry:
 def entries(path: str | os.PathLike[str]) -> list[FatbinEntry]:
     """Every cubin and PTX entry in the file's fatbinaries, in file order; [] when it has no device code.
 
-    Raises NotElfError for a file that is not ELF and FatbinError for a corrupt fatbin.
+    Raises NotElfError for a file that is not (readable) ELF and FatbinError for a corrupt fatbin.
     """
-    path = Path(path)
-    check_elf(path)
-    with path.open("rb") as fh:
-        regions = _fatbin_regions(fh)
+    with open_elf(path) as elf:
+        regions = [  # .nv_fatbin (and __nv_relfatbin in -rdc objects); .nvFatBinSegment is not needed
+            (sec["sh_offset"], sec["sh_size"])
+            for sec in elf.iter_sections()
+            if sec.name in _SECTIONS and sec["sh_type"] != "SHT_NOBITS" and sec["sh_size"]
+        ]
         if not regions:
             return []
-        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        with mmap.mmap(elf.stream.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             found: list[FatbinEntry] = []
             container = 0
             for start, size in regions:
                 container = _parse_region(mm, start, size, container, found)
             return found
-
-
-def _fatbin_regions(fh: Any) -> list[tuple[int, int]]:
-    """(file offset, size) of the ``.nv_fatbin`` sections (``__nv_relfatbin`` in ``-rdc`` objects)."""
-    return [
-        (sec["sh_offset"], sec["sh_size"])
-        for sec in ELFFile(fh).iter_sections()
-        if sec.name in _SECTIONS and sec["sh_type"] != "SHT_NOBITS" and sec["sh_size"]
-    ]
 
 
 def _parse_region(mm: mmap.mmap, start: int, size: int, container: int, out: list[FatbinEntry]) -> int:
@@ -106,9 +96,11 @@ def _parse_region(mm: mmap.mmap, start: int, size: int, container: int, out: lis
     while pos + _CONTAINER.size <= end:
         magic, _version, header_size, payload = _CONTAINER.unpack_from(mm, pos)
         if magic != CONTAINER_MAGIC:
-            if not mm[pos:end].strip(b"\0"):  # trailing padding
+            if end - pos <= 4096 and not mm[pos:end].strip(b"\0"):  # zero padding at the section end
                 break
             raise FatbinError(f"bad fatbin container magic {magic:#x} at file offset {pos:#x}")
+        if header_size < _CONTAINER.size:
+            raise FatbinError(f"bad fatbin container header size {header_size} at file offset {pos:#x}")
         body = pos + header_size
         body_end = body + payload
         if body_end > end:
@@ -166,7 +158,7 @@ def _counts(found: Iterable[FatbinEntry]) -> dict[str, int]:
 
 
 def parse_capability(capability: str | tuple[int, int]) -> tuple[int, int]:
-    """ "12.0", "12.0a", "120", "sm_120" or (12, 0) -> (12, 0)."""
+    """Parse "12.0", "12.0a", "120", "sm_120" or (12, 0) into (12, 0)."""
     if isinstance(capability, tuple):
         return capability
     text = str(capability).strip().lower().removeprefix("sm_").removeprefix("compute_").rstrip("af")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import ast
 import email.parser
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 AVAILABLE = "available"
@@ -638,9 +638,18 @@ def report(site_packages: Path, target_capability: str = "12.0") -> dict:
         "target_capability": target_capability,
         "site_packages": str(site_packages),
         "packages": versions,
-        "torch_symm_mem_allreduce": _symm_mem(site_packages, major, versions["sglang"]),
-        "flashinfer_allreduce_fusion": _fusion(site_packages, major, minor, versions),
+        "torch_symm_mem_allreduce": _guarded(_symm_mem, site_packages, major, versions["sglang"]),
+        "flashinfer_allreduce_fusion": _guarded(_fusion, site_packages, major, minor, versions),
     }
+
+
+def _guarded(check: Callable[..., dict], *args: object) -> dict:
+    """One unreadable file (syntax newer than this Python, bad encoding) makes that feature unknown, not the
+    whole probe fail."""
+    try:
+        return check(*args)
+    except (SyntaxError, UnicodeDecodeError, ValueError, OSError) as exc:
+        return {"state": UNKNOWN, "reason": f"cannot read the installed sources: {exc}", "evidence": []}
 
 
 def states(result: dict) -> dict[str, str]:

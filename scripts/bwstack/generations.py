@@ -65,13 +65,21 @@ class Layout:
     ) -> Layout:
         is_root = os.geteuid() == 0
         home = Path.home()
-        root_path = Path(root or os.environ.get("BWSTACK_ROOT") or ("/opt/bwstack" if is_root else home / ".local/share/bwstack"))
-        ml = Path(ml_env or os.environ.get("BWSTACK_ML_ENV") or ("/opt/ml-env" if is_root else home / "ml-env"))
+        root_path = Path(
+            root
+            or os.environ.get("BWSTACK_ROOT")
+            or ("/opt/bwstack" if is_root else home / ".local/share/bwstack")
+        )
+        ml = Path(
+            ml_env or os.environ.get("BWSTACK_ML_ENV") or ("/opt/ml-env" if is_root else home / "ml-env")
+        )
         link_value = cuda_link if cuda_link is not None else os.environ.get("BWSTACK_CUDA_LINK")
         if link_value is None:
             link_value = "/usr/local/cuda" if is_root else "none"
         link = None if link_value in ("", "none") else Path(link_value)
-        profile_d = Path("/etc/profile.d/bwstack.sh") if is_root and root is None and link is not None else None
+        profile_d = (
+            Path("/etc/profile.d/bwstack.sh") if is_root and root is None and link is not None else None
+        )
         return cls(root_path.absolute(), ml.absolute(), link, profile_d)
 
     @property
@@ -218,7 +226,11 @@ class Store:
         for debris in self._building_dirs():
             self.log(f"removing {debris.name} left by an interrupted run")
             remove_tree(debris)
-        for parent in {self.layout.root, self.layout.ml_env.parent, *( [self.layout.cuda_link.parent] if self.layout.cuda_link else [])}:
+        for parent in {
+            self.layout.root,
+            self.layout.ml_env.parent,
+            *([self.layout.cuda_link.parent] if self.layout.cuda_link else []),
+        }:
             if parent.is_dir():
                 for tmp in parent.glob(".*.tmp"):
                     if tmp.is_symlink():
@@ -258,7 +270,9 @@ class Store:
 
     # -- switching ---------------------------------------------------------------------------------
 
-    def switch(self, gen: Generation, *, depth: str = "quick", why: str = "switch", post_check: bool = True) -> dict:
+    def switch(
+        self, gen: Generation, *, depth: str = "quick", why: str = "switch", post_check: bool = True
+    ) -> dict:
         """Verify `gen`, flip `current` to it, make sure the ml-env and CUDA links exist, check it runs."""
         started = time.perf_counter()
         problems = gen.verify(depth)
@@ -275,7 +289,9 @@ class Store:
         flipped_at = time.perf_counter()
         checkpoint("after-flip")
         self.ensure_links()
-        self._append_history({"at": now_iso(), "from": previous.name if previous else None, "to": gen.name, "why": why})
+        self._append_history(
+            {"at": now_iso(), "from": previous.name if previous else None, "to": gen.name, "why": why}
+        )
         timings = {"verify_s": verified_at - started, "flip_s": flipped_at - verified_at}
         if post_check:
             try:
@@ -283,7 +299,9 @@ class Store:
             except BwstackError:
                 if previous is not None and previous.name != gen.name:
                     atomic_symlink(Path("generations") / previous.name, self.layout.current)
-                    self._append_history({"at": now_iso(), "from": gen.name, "to": previous.name, "why": "post-check failed"})
+                    self._append_history(
+                        {"at": now_iso(), "from": gen.name, "to": previous.name, "why": "post-check failed"}
+                    )
                 raise
         timings["total_s"] = time.perf_counter() - started
         return timings
@@ -456,6 +474,7 @@ def post_switch_check(ml_env: Path, gen: Generation) -> dict:
     code = (
         "import json, os, sys\n"
         "out = {'generation': os.environ.get('BWSTACK_GENERATION'), 'python': sys.version.split()[0],\n"
+        "       'prefix': os.path.realpath(sys.prefix),\n"
         "       'cuda_home': os.environ.get('CUDA_HOME')}\n"
         "try:\n"
         "    import torch\n"
@@ -467,19 +486,25 @@ def post_switch_check(ml_env: Path, gen: Generation) -> dict:
     started = time.perf_counter()
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_HOME", "PYTHONPATH", "PYTHONHOME")}
     try:
-        result = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=300, env=env)
+        result = subprocess.run(
+            [str(python), "-c", code], capture_output=True, text=True, timeout=300, env=env
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise BwstackError(f"post-switch check: {python} did not run ({exc}); switched back") from None
     if result.returncode != 0:
-        raise BwstackError(f"post-switch check: {python} failed: {result.stderr.strip()[-400:]}; switched back")
+        raise BwstackError(
+            f"post-switch check: {python} failed: {result.stderr.strip()[-400:]}; switched back"
+        )
     facts = json.loads(result.stdout.strip().splitlines()[-1])
     facts["seconds"] = round(time.perf_counter() - started, 3)
-    if facts.get("generation") != gen.name:
+    if facts.get("generation") != gen.name and facts.get("prefix") != str(gen.env.resolve()):
         raise BwstackError(f"post-switch check: {ml_env} runs {facts.get('generation')}, expected {gen.name}")
     want_torch = gen.record.get("torch", {})
     if want_torch.get("version"):
         if "torch_error" in facts:
-            raise BwstackError(f"post-switch check: import torch failed in {gen.name}: {facts['torch_error']}")
+            raise BwstackError(
+                f"post-switch check: import torch failed in {gen.name}: {facts['torch_error']}"
+            )
         if facts.get("torch") != want_torch["version"] or facts.get("torch_cuda") != want_torch.get("cuda"):
             raise BwstackError(
                 f"post-switch check: torch {facts.get('torch')} (CUDA {facts.get('torch_cuda')}) in {gen.name}, "

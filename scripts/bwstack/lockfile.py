@@ -272,7 +272,7 @@ class _Node:
     def version(self, key: str) -> str:
         value = self.raw(key)
         if not isinstance(value, str):
-            self.fail(f"expected a version string in quotes (e.g. \"1.2.3\"), got {_kind(value)}", key)
+            self.fail(f'expected a version string in quotes (e.g. "1.2.3"), got {_kind(value)}', key)
         try:
             Version(value)
         except InvalidVersion:
@@ -333,7 +333,9 @@ def _wheel(node: _Node) -> Wheel:
     sha = node.raw("sha256")
     if sha is None:
         if not hash_source.startswith(HASH_SOURCE_MISSING):
-            node.fail("sha256 is null, so hash_source must say why it is missing (start with 'missing')", "sha256")
+            node.fail(
+                "sha256 is null, so hash_source must say why it is missing (start with 'missing')", "sha256"
+            )
     elif not isinstance(sha, str) or not SHA256_RE.match(sha):
         node.fail(f"expected 64 lowercase hex digits, got {_kind(sha)}", "sha256")
     elif hash_source.startswith(HASH_SOURCE_MISSING):
@@ -384,7 +386,7 @@ def _specifier(node: _Node, key: str) -> str:
     try:
         SpecifierSet(text)
     except InvalidSpecifier:
-        node.fail(f"{text!r} is not a valid version specifier (e.g. \"==0.6.4\")", key)
+        node.fail(f'{text!r} is not a valid version specifier (e.g. "==0.6.4")', key)
     return text
 
 
@@ -418,9 +420,11 @@ def _expect(node: _Node) -> Expectations:
         if value not in FEATURE_STATES:
             features_node.fail(f"expected one of {', '.join(FEATURE_STATES)}, got {_kind(value)}", key)
         features[key] = value
-    cap = node.str("target_capability", pattern=re.compile(r"^\d+\.\d+$"), hint=" capability like \"12.0\"")
+    cap = node.str("target_capability", pattern=re.compile(r"^\d+\.\d+$"), hint=' capability like "12.0"')
     return Expectations(
-        torch_cuda=node.str("torch_cuda", pattern=re.compile(r"^\d+\.\d+$"), hint=" CUDA version like \"13.0\""),
+        torch_cuda=node.str(
+            "torch_cuda", pattern=re.compile(r"^\d+\.\d+$"), hint=' CUDA version like "13.0"'
+        ),
         cudart_major=node.int("cudart_major"),
         target_capability=cap,
         sm120_kernels=node.str_list("sm120_kernels"),
@@ -429,10 +433,8 @@ def _expect(node: _Node) -> Expectations:
 
 
 def _profile(name: str, node: _Node, indexes: Mapping[str, Index], patch_ids: Iterable[str]) -> Profile:
-    node.only(
-        {"description", "python", "platform", "cuda", "requirements", "overrides", "patches", "expect"}
-    )
-    python = node.str("python", pattern=re.compile(r"^3\.\d+$"), hint=" Python version like \"3.12\"")
+    node.only({"description", "python", "platform", "cuda", "requirements", "overrides", "patches", "expect"})
+    python = node.str("python", pattern=re.compile(r"^3\.\d+$"), hint=' Python version like "3.12"')
     platform = node.str("platform", pattern=PLATFORM_RE, hint=" (x86_64-manylinux_2_N)")
     req_node = node.node("requirements")
     requirements = {}
@@ -534,14 +536,29 @@ def parse_lock(text: str, path: str = "stack.lock.yaml") -> Lock:
     if data is None:
         raise LockError(path, "", "the file is empty")
     root = _Node(path, "", data)
-    root.only({"schema_version", "default_profile", "rollback_profile", "resolution", "indexes", "image", "profiles", "closures"})
+    root.only(
+        {
+            "schema_version",
+            "default_profile",
+            "rollback_profile",
+            "resolution",
+            "indexes",
+            "image",
+            "profiles",
+            "closures",
+        }
+    )
     version = root.int("schema_version")
     if version != SCHEMA_VERSION:
-        root.fail(f"this bwstack reads schema version {SCHEMA_VERSION}, the file says {version}", "schema_version")
+        root.fail(
+            f"this bwstack reads schema version {SCHEMA_VERSION}, the file says {version}", "schema_version"
+        )
     resolution = root.node("resolution")
     resolution.only({"exclude_newer"})
     exclude_newer = resolution.str(
-        "exclude_newer", pattern=re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$"), hint=" UTC time like 2026-11-30T00:00:00Z"
+        "exclude_newer",
+        pattern=re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$"),
+        hint=" UTC time like 2026-11-30T00:00:00Z",
     )
     idx_node = root.node("indexes")
     indexes: dict[str, Index] = {}
@@ -556,7 +573,9 @@ def parse_lock(text: str, path: str = "stack.lock.yaml") -> Lock:
     layers = []
     for layer in image.list_of_nodes("layers"):
         layer.only({"name", "packages"})
-        layers.append(ImageLayer(name=layer.str("name", pattern=NAME_RE), packages=layer.str_list("packages")))
+        layers.append(
+            ImageLayer(name=layer.str("name", pattern=NAME_RE), packages=layer.str_list("packages"))
+        )
     if not layers:
         image.fail("must list at least one layer", "layers")
     prof_node = root.node("profiles")
@@ -569,10 +588,14 @@ def parse_lock(text: str, path: str = "stack.lock.yaml") -> Lock:
         prof_node.fail("must define at least one profile")
     default = root.str("default_profile")
     if default not in profiles:
-        root.fail(f"{default!r} is not one of the profiles ({', '.join(sorted(profiles))})", "default_profile")
+        root.fail(
+            f"{default!r} is not one of the profiles ({', '.join(sorted(profiles))})", "default_profile"
+        )
     rollback = root.str("rollback_profile")
     if rollback not in profiles:
-        root.fail(f"{rollback!r} is not one of the profiles ({', '.join(sorted(profiles))})", "rollback_profile")
+        root.fail(
+            f"{rollback!r} is not one of the profiles ({', '.join(sorted(profiles))})", "rollback_profile"
+        )
     if root.has("closures") and root.value["closures"] is not None:
         cl_node = root.node("closures")
         for name, value in cl_node.items():
@@ -600,7 +623,9 @@ def load_lock(path: str | Path) -> Lock:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise UsageError(f"{path}: no such lock file (pass --lock PATH or run from the bwstack checkout)") from None
+        raise UsageError(
+            f"{path}: no such lock file (pass --lock PATH or run from the bwstack checkout)"
+        ) from None
     except UnicodeDecodeError:
         raise LockError(str(path), "", "not UTF-8 text") from None
     except OSError as exc:

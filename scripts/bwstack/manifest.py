@@ -59,7 +59,9 @@ def walk(root: Path) -> Iterator[tuple[str, os.stat_result]]:
             yield rel, os.lstat(os.path.join(dirpath, name))
 
 
-def build(root: Path, known: Mapping[tuple[int, int, int, int], str] | None = None, workers: int | None = None) -> list[Entry]:
+def build(
+    root: Path, known: Mapping[tuple[int, int, int, int], str] | None = None, workers: int | None = None
+) -> list[Entry]:
     """Manifest of `root`. `known` maps (dev, ino, size, mtime_ns) to a sha256 already computed for that
     inode (files hard-linked from the uv cache into several generations are hashed once)."""
     known = known or {}
@@ -99,7 +101,9 @@ class Problem:
         return f"{self.path}: {self.what}"
 
 
-def verify(root: Path, entries: list[Entry], depth: str = "quick", workers: int | None = None) -> list[Problem]:
+def verify(
+    root: Path, entries: list[Entry], depth: str = "quick", workers: int | None = None
+) -> list[Problem]:
     """Differences between `root` now and its manifest; empty when it verifies."""
     expected = {e.path: e for e in entries}
     problems: list[Problem] = []
@@ -114,12 +118,16 @@ def verify(root: Path, entries: list[Entry], depth: str = "quick", workers: int 
         if stat.S_ISLNK(st.st_mode):
             target = os.readlink(root / rel)
             if entry.kind != "l" or target != entry.sha256:
-                problems.append(Problem(rel, f"symlink now points to {target!r}, manifest says {entry.sha256!r}"))
+                problems.append(
+                    Problem(rel, f"symlink now points to {target!r}, manifest says {entry.sha256!r}")
+                )
         elif stat.S_ISDIR(st.st_mode):
             if entry.kind != "d":
                 problems.append(Problem(rel, "is a directory, manifest says it is not"))
         elif entry.kind != "f":
-            problems.append(Problem(rel, f"is a file, manifest says {'symlink' if entry.kind == 'l' else 'directory'}"))
+            problems.append(
+                Problem(rel, f"is a file, manifest says {'symlink' if entry.kind == 'l' else 'directory'}")
+            )
         elif st.st_size != entry.size:
             problems.append(Problem(rel, f"size {st.st_size}, manifest says {entry.size}"))
         elif depth == "full" or st.st_ino != entry.ino or st.st_mtime_ns != entry.mtime_ns:
@@ -129,7 +137,9 @@ def verify(root: Path, entries: list[Entry], depth: str = "quick", workers: int 
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 2) as pool:
         for entry, sha in zip(suspects, pool.map(lambda e: _safe_hash(root / e.path), suspects)):
             if sha != entry.sha256:
-                problems.append(Problem(entry.path, f"content changed (sha256 {sha}, manifest {entry.sha256})"))
+                problems.append(
+                    Problem(entry.path, f"content changed (sha256 {sha}, manifest {entry.sha256})")
+                )
     return sorted(problems, key=lambda p: p.path)
 
 

@@ -36,12 +36,18 @@ class EnvPlan:
         return {**self.__dict__, "changes": self.changes}
 
     def render(self) -> str:
-        lines = [f"{self.env} against profile {self.profile}" + (f" (generation {self.generation})" if self.generation else "")]
+        lines = [
+            f"{self.env} against profile {self.profile}"
+            + (f" (generation {self.generation})" if self.generation else "")
+        ]
         rows = (
             [("missing", d["name"], "-", d["version"]) for d in self.missing]
             + [("extra", d["name"], d["version"], "-") for d in self.extra]
             + [("version", d["name"], d["installed"], d["locked"]) for d in self.wrong_version]
-            + [("hash", d["name"], d["installed"][:16] + "…", " | ".join(h[:16] + "…" for h in d["locked"])) for d in self.wrong_hash]
+            + [
+                ("hash", d["name"], d["installed"][:16] + "…", " | ".join(h[:16] + "…" for h in d["locked"]))
+                for d in self.wrong_hash
+            ]
         )
         if rows:
             width = max(len(r[1]) for r in rows)
@@ -50,7 +56,11 @@ class EnvPlan:
                 lines.append(f"  {kind:<8} {name:<{width}}  {have:<24} {want}")
         lines.append(
             f"  {self.changes} change(s); {self.matching} package(s) match"
-            + (f"; wheel hash unknown for {len(self.unknown_hash)} (not installed by bwstack)" if self.unknown_hash else "")
+            + (
+                f"; wheel hash unknown for {len(self.unknown_hash)} (not installed by bwstack)"
+                if self.unknown_hash
+                else ""
+            )
         )
         return "\n".join(lines)
 
@@ -73,13 +83,17 @@ def _installed_hashes(env: Path) -> tuple[str | None, dict[str, str]]:
         direct = dist.dist_info / "direct_url.json"
         if direct.is_file():
             info = json.loads(direct.read_text()).get("archive_info", {})
-            digest = info.get("hashes", {}).get("sha256") or (info.get("hash", "").partition("sha256=")[2] or None)
+            digest = info.get("hashes", {}).get("sha256") or (
+                info.get("hash", "").partition("sha256=")[2] or None
+            )
             if digest:
                 hashes[name] = digest
     return generation, hashes
 
 
-def plan_env(profile: Profile, env: Path | None, root: str | None = None, ml_env: str | None = None) -> EnvPlan:
+def plan_env(
+    profile: Profile, env: Path | None, root: str | None = None, ml_env: str | None = None
+) -> EnvPlan:
     if env is None:
         from bwstack.generations import Layout
 

@@ -95,7 +95,9 @@ def project_files(http: requests.Session, index_url: str, project: str) -> list[
 
 def _reason(exc: Exception) -> str:
     text = str(exc)
-    match = re.search(r"(Name or service not known|Connection refused|timed out|CERTIFICATE_VERIFY_FAILED[^']*)", text)
+    match = re.search(
+        r"(Name or service not known|Connection refused|timed out|CERTIFICATE_VERIFY_FAILED[^']*)", text
+    )
     return match.group(1) if match else text.splitlines()[0][:200]
 
 
@@ -118,14 +120,16 @@ def _metadata_by_range(http: requests.Session, url: str) -> str:
     tail = _range(http, url, "-65536")
     eocd = tail.rfind(b"PK\x05\x06")
     if eocd < 0:
-        raise BwstackError(f"{url}: no zip directory in the last 64 KiB (zip64 wheels are not supported here)")
+        raise BwstackError(
+            f"{url}: no zip directory in the last 64 KiB (zip64 wheels are not supported here)"
+        )
     cd_size, cd_offset = struct.unpack_from("<II", tail, eocd + 12)
     directory = _range(http, url, f"{cd_offset}-{cd_offset + cd_size - 1}")
     pos = 0
     while pos + 46 <= len(directory) and directory[pos : pos + 4] == b"PK\x01\x02":
-        method, = struct.unpack_from("<H", directory, pos + 10)
+        (method,) = struct.unpack_from("<H", directory, pos + 10)
         csize, _usize, nlen, elen, clen = struct.unpack_from("<IIHHH", directory, pos + 20)
-        local_offset, = struct.unpack_from("<I", directory, pos + 42)
+        (local_offset,) = struct.unpack_from("<I", directory, pos + 42)
         name = directory[pos + 46 : pos + 46 + nlen].decode()
         pos += 46 + nlen + elen + clen
         if re.fullmatch(r"[^/]+\.dist-info/METADATA", name):

@@ -22,7 +22,9 @@ from bwstack.lockfile import ImageLayer, LockedPackage, Profile, Wheel
 from bwstack.targets import Target
 from bwstack.wheelhouse import select
 
-LINE_RE = re.compile(r"^(?P<name>[A-Za-z0-9._-]+) @ (?P<url>\S+)(?P<hashes>(?: --hash=sha256:[0-9a-f]{64})*)\s*$")
+LINE_RE = re.compile(
+    r"^(?P<name>[A-Za-z0-9._-]+) @ (?P<url>\S+)(?P<hashes>(?: --hash=sha256:[0-9a-f]{64})*)\s*$"
+)
 
 
 def layer_of(name: str, layers: Iterable[ImageLayer]) -> str:
@@ -34,7 +36,11 @@ def layer_of(name: str, layers: Iterable[ImageLayer]) -> str:
 
 
 def render(
-    profile: Profile, packages: Mapping[str, LockedPackage], names: Iterable[str] | None = None, *, title: str = ""
+    profile: Profile,
+    packages: Mapping[str, LockedPackage],
+    names: Iterable[str] | None = None,
+    *,
+    title: str = "",
 ) -> str:
     selection = select(packages, Target.of(profile))
     wanted = sorted(names) if names is not None else sorted(selection)
@@ -48,12 +54,16 @@ def render(
         if wheel.sha256:
             line += f" --hash=sha256:{wheel.sha256}"
         else:
-            lines.append(f"# {name} {pkg.version}: no sha256 in the lock ({wheel.hash_source}); needs --allow-unhashed")
+            lines.append(
+                f"# {name} {pkg.version}: no sha256 in the lock ({wheel.hash_source}); needs --allow-unhashed"
+            )
         lines.append(line)
     return "\n".join(lines) + "\n"
 
 
-def render_layers(profile: Profile, packages: Mapping[str, LockedPackage], layers: tuple[ImageLayer, ...]) -> dict[str, str]:
+def render_layers(
+    profile: Profile, packages: Mapping[str, LockedPackage], layers: tuple[ImageLayer, ...]
+) -> dict[str, str]:
     """One requirement file per image layer, in layer order; every package lands in exactly one."""
     groups: dict[str, list[str]] = {layer.name: [] for layer in layers}
     for name in packages:
@@ -76,7 +86,9 @@ def parse(path: Path) -> dict[str, LockedPackage]:
             continue
         match = LINE_RE.match(line.strip())
         if not match:
-            raise UsageError(f"{path}:{number}: not a bwstack requirement line (NAME @ URL [--hash=sha256:H])")
+            raise UsageError(
+                f"{path}:{number}: not a bwstack requirement line (NAME @ URL [--hash=sha256:H])"
+            )
         url = match.group("url")
         file = unquote(url.rsplit("/", 1)[-1])
         try:

@@ -11,7 +11,6 @@ never from a download of ours and never made up.
 from __future__ import annotations
 
 import os
-import subprocess
 import tempfile
 import zipfile
 from collections.abc import Iterable, Mapping
@@ -28,17 +27,19 @@ from bwstack.errors import BwstackError
 from bwstack.fsutil import atomic_write_text
 from bwstack.lockfile import GENERATED_MARKER, HASH_SOURCE_PYPI, Lock, LockedPackage, Profile, Wheel
 from bwstack.targets import Target, applicable_requirements, requested_extras
-from bwstack.uvtool import uv_env, uv_version, run_uv
+from bwstack.uvtool import run_uv, uv_env, uv_version
 
 
-def write_stub_wheel(directory: Path, filename: str, name: str, version: str, requires_dist: Iterable[str]) -> Path:
+def write_stub_wheel(
+    directory: Path, filename: str, name: str, version: str, requires_dist: Iterable[str]
+) -> Path:
     """A metadata-only wheel for the resolver: uv sees the package, its version and its Requires-Dist.
 
     It stands in for a wheel this network cannot download, so that every constraint other packages put on
     it (e.g. `compressed-tensors` wanting torch>=2.10) still takes part in the resolution. Never installed.
     """
     dist_info = f"{name.replace('-', '_')}-{version}.dist-info"
-    metadata = [f"Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
+    metadata = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
     metadata += [f"Requires-Dist: {line}" for line in requires_dist]
     wheel = ["Wheel-Version: 1.0", "Generator: bwstack (resolver stand-in)", "Root-Is-Purelib: false"]
     path = directory / filename
@@ -151,7 +152,9 @@ def _closure_from_pins(
     while True:
         before = {k: set(v) for k, v in extras.items()}
         for name, reqs in raw_requires.items():
-            for wanted, names in requested_extras(applicable_requirements(target, reqs, extras.get(name, ()))).items():
+            for wanted, names in requested_extras(
+                applicable_requirements(target, reqs, extras.get(name, ()))
+            ).items():
                 extras.setdefault(wanted, set()).update(names)
         if extras == before:
             break
@@ -167,7 +170,9 @@ def _closure_from_pins(
         )
     for name, pkg in static.items():
         applicable = applicable_requirements(target, pkg.requires, extras.get(name, ()))
-        packages[name] = LockedPackage(**{**pkg.__dict__, "requires": tuple(sorted({str(r) for r in applicable}))})
+        packages[name] = LockedPackage(
+            **{**pkg.__dict__, "requires": tuple(sorted({str(r) for r in applicable}))}
+        )
     return dict(sorted(packages.items()))
 
 
@@ -193,7 +198,9 @@ def resolve_profile(lock: Lock, profile: Profile, http: requests.Session) -> dic
     pins = uv_compile(top_level, overrides, target, lock.exclude_newer, index_url, static.values())
     for name, pin in profile.requirements.items():
         if pins.get(name) != pin.version:
-            raise BwstackError(f"{profile.name}: uv resolved {name} {pins.get(name)}, the spec pins {pin.version}")
+            raise BwstackError(
+                f"{profile.name}: uv resolved {name} {pins.get(name)}, the spec pins {pin.version}"
+            )
     resolved = {name: version for name, version in pins.items() if name not in static}
     env = _closure_from_pins(http, resolved, static, target, index_url, cutoff, top_level)
 
@@ -228,7 +235,8 @@ def _dump_packages(packages: Mapping[str, LockedPackage]) -> dict:
             entry["metadata_source"] = pkg.metadata_source
         entry["requires"] = list(pkg.requires)
         entry["wheels"] = [
-            {"file": w.file, "url": w.url, "sha256": w.sha256, "hash_source": w.hash_source} for w in pkg.wheels
+            {"file": w.file, "url": w.url, "sha256": w.sha256, "hash_source": w.hash_source}
+            for w in pkg.wheels
         ]
         out[name] = entry
     return out
@@ -254,7 +262,9 @@ def lock_profiles(lock: Lock, profiles: Iterable[str] | None = None, *, log=prin
         if name in names:
             log(f"resolving {name} (Python {profile.python}, {profile.platform}) with uv ...")
             closures[name] = resolve_profile(lock, profile, http)
-            log(f"  {name}: {len(closures[name]['env'])} packages, {len(closures[name]['cuda_toolkit'])} toolkit wheels")
+            log(
+                f"  {name}: {len(closures[name]['env'])} packages, {len(closures[name]['cuda_toolkit'])} toolkit wheels"
+            )
         elif profile.closure is not None:
             closures[name] = {
                 "spec_digest": profile.closure.spec_digest,

@@ -5,7 +5,12 @@ from __future__ import annotations
 from bwstack.lockfile import Lock, Profile
 
 # The components a user names when they talk about "the stack"; versions come from the lock.
-COMPONENTS = {"torch": "torch", "sgl-kernel": "sgl-kernel", "flashinfer": "flashinfer-python", "sglang": "sglang"}
+COMPONENTS = {
+    "torch": "torch",
+    "sgl-kernel": "sgl-kernel",
+    "flashinfer": "flashinfer-python",
+    "sglang": "sglang",
+}
 
 
 def stack_versions(profile: Profile) -> dict[str, str]:
@@ -32,9 +37,17 @@ def describe(lock: Lock, profile: Profile) -> dict:
             "pip": f"cuda-toolkit[{','.join(profile.cuda.pip_components)}]=={profile.cuda.pip_version}",
             "docker_base": profile.cuda.docker_base,
         },
-        "pins": {name: {"version": pin.version, "index": pin.index} for name, pin in profile.requirements.items()},
+        "pins": {
+            name: {"version": pin.version, "index": pin.index} for name, pin in profile.requirements.items()
+        },
         "overrides": [
-            {"package": o.package, "required_by": o.required_by, "replaces": o.replaces, "with": o.with_, "reason": o.reason}
+            {
+                "package": o.package,
+                "required_by": o.required_by,
+                "replaces": o.replaces,
+                "with": o.with_,
+                "reason": o.reason,
+            }
             for o in profile.overrides
         ],
         "patches": list(profile.patches),
@@ -86,6 +99,8 @@ def render(payload: dict) -> str:
             f"not resolvable here: {', '.join(closure['not_resolved_here']) or 'none'}"
         )
         if closure["missing_hashes"]:
-            lines.append(f"  no hash known for: {', '.join(closure['missing_hashes'])} (needs --allow-unhashed)")
+            lines.append(
+                f"  no hash known for: {', '.join(closure['missing_hashes'])} (needs --allow-unhashed)"
+            )
     lines.append(f"  lock digest {payload['lock_digest']}")
     return "\n".join(lines)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,14 +18,22 @@ from fixtures import fakestack  # noqa: E402
 REAL_LOCK = REPO / "stack.lock.yaml"
 
 
-def bwstack(*args: str, env: dict | None = None, check: bool = False, timeout: int = 900) -> subprocess.CompletedProcess:
+def bwstack(
+    *args: str, env: dict | None = None, check: bool = False, timeout: int = 900
+) -> subprocess.CompletedProcess:
     """Run the real CLI in a subprocess (as a user would)."""
     full_env = {**os.environ, **(env or {})}
     result = subprocess.run(
-        [sys.executable, "-m", "bwstack", *args], capture_output=True, text=True, env=full_env, timeout=timeout
+        [sys.executable, "-m", "bwstack", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
     )
     if check and result.returncode != 0:
-        raise AssertionError(f"bwstack {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+        raise AssertionError(
+            f"bwstack {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
+        )
     return result
 
 
@@ -60,7 +67,20 @@ def stack(tmp_path: Path):
         return bwstack("--lock", str(lock), *args, env={**s.env, **(extra_env or {})}, check=check)
 
     s.run = run
-    s.build = lambda profile="fixture-new", *more: run("build", "--profile", profile, "--wheelhouse", str(wheelhouse), *more)
+
+    def build(profile: str = "fixture-new", *more: str, check: bool = False, extra_env: dict | None = None):
+        return run(
+            "build",
+            "--profile",
+            profile,
+            "--wheelhouse",
+            str(wheelhouse),
+            *more,
+            check=check,
+            extra_env=extra_env,
+        )
+
+    s.build = build
     return s
 
 
@@ -74,4 +94,6 @@ def have_python312() -> bool:
         return False
 
 
-needs_py312 = pytest.mark.skipif(not have_python312(), reason="no Python 3.12 interpreter (the profiles' Python)")
+needs_py312 = pytest.mark.skipif(
+    not have_python312(), reason="no Python 3.12 interpreter (the profiles' Python)"
+)

@@ -45,35 +45,138 @@ CASES: list[tuple[str, Callable[[dict], None] | str, str]] = [
     ("not-yaml", "schema_version: 1\n  profiles: [\n", "not valid YAML"),
     ("top-level-list", "- 1\n- 2\n", "(top level): expected a mapping"),
     ("schema-version-missing", _set("schema_version", _DELETE), "schema_version: required key is missing"),
-    ("schema-version-future", _set("schema_version", 2), "schema_version: this bwstack reads schema version 1"),
+    (
+        "schema-version-future",
+        _set("schema_version", 2),
+        "schema_version: this bwstack reads schema version 1",
+    ),
     ("unknown-top-level-key", _set("profile", "cu130"), "profile: unknown key"),
-    ("default-profile-unknown", _set("default_profile", "cu999"), "default_profile: 'cu999' is not one of the profiles"),
-    ("rollback-profile-unknown", _set("rollback_profile", "cu11"), "rollback_profile: 'cu11' is not one of the profiles"),
+    (
+        "default-profile-unknown",
+        _set("default_profile", "cu999"),
+        "default_profile: 'cu999' is not one of the profiles",
+    ),
+    (
+        "rollback-profile-unknown",
+        _set("rollback_profile", "cu11"),
+        "rollback_profile: 'cu11' is not one of the profiles",
+    ),
     ("exclude-newer-format", _set("resolution.exclude_newer", "yesterday"), "resolution.exclude_newer"),
     ("pypi-index-missing", _set("indexes.pypi", _DELETE), "indexes: must define `pypi`"),
-    ("index-not-https", _set("indexes.pytorch-cu130.url", "http://download.pytorch.org/whl/cu130"), "must be an https:// URL"),
-    ("python-as-number", _set("profiles.cu130.python", 3.12), "profiles.cu130.python: expected a non-empty string"),
-    ("platform-invalid", _set("profiles.cu130.platform", "linux"), "profiles.cu130.platform: 'linux' is not valid"),
-    ("cuda-version-unquoted", _set("profiles.cu128.cuda.version", 12.8), "profiles.cu128.cuda.version: expected a version string"),
-    ("min-driver-garbage", _set("profiles.cu130.cuda.min_driver", "latest"), "profiles.cu130.cuda.min_driver"),
-    ("cuda-home-relative", _set("profiles.cu130.cuda.home", "cuda-13.0"), "profiles.cu130.cuda.home: 'cuda-13.0' must be an absolute path"),
-    ("version-not-pep440", _set("profiles.cu130.requirements.sglang", "0.5.9 final"), "requirements.sglang.version: '0.5.9 final' is not a valid PEP 440"),
-    ("index-undefined", _set("profiles.cu130.requirements.torch.index", "pytorch-cu999"), "requirements.torch.index: index 'pytorch-cu999' is not defined"),
-    ("non-pypi-without-static", _set("profiles.cu130.requirements.torch.static", _DELETE), "requirements.torch: a package from a non-PyPI index needs `static`"),
-    ("sha256-too-short", _set(f"{TORCH_WHEEL}.sha256", "e70e1b18881e6b3c1ce402d0a989da39f956a3a057526e03c354df23d704ce9"), f"{TORCH_WHEEL.replace('.0', '[0]')}.sha256: expected 64 lowercase hex digits"),
-    ("null-hash-without-reason", _set(f"{TORCH_WHEEL}.sha256", None), "sha256 is null, so hash_source must say why"),
+    (
+        "index-not-https",
+        _set("indexes.pytorch-cu130.url", "http://download.pytorch.org/whl/cu130"),
+        "must be an https:// URL",
+    ),
+    (
+        "python-as-number",
+        _set("profiles.cu130.python", 3.12),
+        "profiles.cu130.python: expected a non-empty string",
+    ),
+    (
+        "platform-invalid",
+        _set("profiles.cu130.platform", "linux"),
+        "profiles.cu130.platform: 'linux' is not valid",
+    ),
+    (
+        "cuda-version-unquoted",
+        _set("profiles.cu128.cuda.version", 12.8),
+        "profiles.cu128.cuda.version: expected a version string",
+    ),
+    (
+        "min-driver-garbage",
+        _set("profiles.cu130.cuda.min_driver", "latest"),
+        "profiles.cu130.cuda.min_driver",
+    ),
+    (
+        "cuda-home-relative",
+        _set("profiles.cu130.cuda.home", "cuda-13.0"),
+        "profiles.cu130.cuda.home: 'cuda-13.0' must be an absolute path",
+    ),
+    (
+        "version-not-pep440",
+        _set("profiles.cu130.requirements.sglang", "0.5.9 final"),
+        "requirements.sglang.version: '0.5.9 final' is not a valid PEP 440",
+    ),
+    (
+        "index-undefined",
+        _set("profiles.cu130.requirements.torch.index", "pytorch-cu999"),
+        "requirements.torch.index: index 'pytorch-cu999' is not defined",
+    ),
+    (
+        "non-pypi-without-static",
+        _set("profiles.cu130.requirements.torch.static", _DELETE),
+        "requirements.torch: a package from a non-PyPI index needs `static`",
+    ),
+    (
+        "sha256-too-short",
+        _set(f"{TORCH_WHEEL}.sha256", "e70e1b18881e6b3c1ce402d0a989da39f956a3a057526e03c354df23d704ce9"),
+        f"{TORCH_WHEEL.replace('.0', '[0]')}.sha256: expected 64 lowercase hex digits",
+    ),
+    (
+        "null-hash-without-reason",
+        _set(f"{TORCH_WHEEL}.sha256", None),
+        "sha256 is null, so hash_source must say why",
+    ),
     ("wheel-not-whl", _set(f"{TORCH_WHEEL}.file", "torch-2.9.1.tar.gz"), "is not a wheel file name"),
-    ("override-reason-too-short", _set("profiles.cu130.overrides.0.reason", "needed"), "profiles.cu130.overrides[0].reason: say why"),
-    ("override-bad-specifier", _set("profiles.cu130.overrides.0.with", "0.6.4"), "overrides[0].with: '0.6.4' is not a valid version specifier"),
-    ("patch-unknown", _set("profiles.cu130.patches", ["sglang-sm130"]), "profiles.cu130.patches[0]: unknown patch 'sglang-sm130'"),
-    ("feature-state-unknown", _set("profiles.cu130.expect.features.flashinfer_allreduce_fusion", "works"), "expect.features.flashinfer_allreduce_fusion: expected one of"),
-    ("capability-format", _set("profiles.cu130.expect.target_capability", "12"), "expect.target_capability: '12' is not valid"),
-    ("cudart-major-string", _set("profiles.cu130.expect.cudart_major", "13"), "expect.cudart_major: expected an integer"),
-    ("duplicate-after-normalisation", lambda d: d["profiles"]["cu128"]["requirements"].update({"flashinfer_python": "0.6.3"}), "requirements.flashinfer_python: listed twice"),
-    ("closure-for-unknown-profile", lambda d: d["closures"].update({"cu99": d["closures"]["cu128"]}), "closures.cu99: has no matching profile"),
-    ("closure-package-without-wheels", _set("closures.cu128.env.sglang.wheels", []), "closures.cu128.env.sglang.wheels: must list at least one wheel"),
-    ("closure-hash-uppercase", _set("closures.cu128.env.torch.wheels.0.sha256", "27331CD902FB4322252657F3902ADF1C4F6ACAD9DCAD81D8DF3AE14C7C4F07C4"), "closures.cu128.env.torch.wheels[0].sha256: expected 64 lowercase hex"),
-    ("requirement-line-invalid", _set("closures.cu128.env.sglang.requires.0", "torch ==> 2"), "closures.cu128.env.sglang.requires[0]: 'torch ==> 2' is not a valid requirement"),
+    (
+        "override-reason-too-short",
+        _set("profiles.cu130.overrides.0.reason", "needed"),
+        "profiles.cu130.overrides[0].reason: say why",
+    ),
+    (
+        "override-bad-specifier",
+        _set("profiles.cu130.overrides.0.with", "0.6.4"),
+        "overrides[0].with: '0.6.4' is not a valid version specifier",
+    ),
+    (
+        "patch-unknown",
+        _set("profiles.cu130.patches", ["sglang-sm130"]),
+        "profiles.cu130.patches[0]: unknown patch 'sglang-sm130'",
+    ),
+    (
+        "feature-state-unknown",
+        _set("profiles.cu130.expect.features.flashinfer_allreduce_fusion", "works"),
+        "expect.features.flashinfer_allreduce_fusion: expected one of",
+    ),
+    (
+        "capability-format",
+        _set("profiles.cu130.expect.target_capability", "12"),
+        "expect.target_capability: '12' is not valid",
+    ),
+    (
+        "cudart-major-string",
+        _set("profiles.cu130.expect.cudart_major", "13"),
+        "expect.cudart_major: expected an integer",
+    ),
+    (
+        "duplicate-after-normalisation",
+        lambda d: d["profiles"]["cu128"]["requirements"].update({"flashinfer_python": "0.6.3"}),
+        "requirements.flashinfer_python: listed twice",
+    ),
+    (
+        "closure-for-unknown-profile",
+        lambda d: d["closures"].update({"cu99": d["closures"]["cu128"]}),
+        "closures.cu99: has no matching profile",
+    ),
+    (
+        "closure-package-without-wheels",
+        _set("closures.cu128.env.sglang.wheels", []),
+        "closures.cu128.env.sglang.wheels: must list at least one wheel",
+    ),
+    (
+        "closure-hash-uppercase",
+        _set(
+            "closures.cu128.env.torch.wheels.0.sha256",
+            "27331CD902FB4322252657F3902ADF1C4F6ACAD9DCAD81D8DF3AE14C7C4F07C4",
+        ),
+        "closures.cu128.env.torch.wheels[0].sha256: expected 64 lowercase hex",
+    ),
+    (
+        "requirement-line-invalid",
+        _set("closures.cu128.env.sglang.requires.0", "torch ==> 2"),
+        "closures.cu128.env.sglang.requires[0]: 'torch ==> 2' is not a valid requirement",
+    ),
 ]
 
 
@@ -90,7 +193,9 @@ def _write_case(tmp_path: Path, mutation) -> Path:
 
 
 @pytest.mark.parametrize(("case", "mutation", "expected"), CASES, ids=[c[0] for c in CASES])
-def test_malformed_lock_gives_one_line_error_naming_the_key_and_exit_2(tmp_path, capsys, case, mutation, expected):
+def test_malformed_lock_gives_one_line_error_naming_the_key_and_exit_2(
+    tmp_path, capsys, case, mutation, expected
+):
     path = _write_case(tmp_path, mutation)
     before = path.read_bytes()
     rc = main(["--lock", str(path), "show", "--profile", "cu128"])

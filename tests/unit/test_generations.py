@@ -1,0 +1,262 @@
+"""Generations on a fixture stack (small wheels built by the tests, real uv, real venvs, real Python 3.12)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+from conftest import needs_py312
+
+from bwstack.generations import Layout, Store
+from bwstack.runlock import RunLock
+
+pytestmark = needs_py312
+
+
+def _python_facts(ml_env: Path) -> dict:
+    code = (
+        "import json, os, torch, fixture_dep\n"
+        "print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, 'dep': fixture_dep.VALUE,"
+        " 'generation': os.environ.get('BWSTACK_GENERATION'), 'cuda_home': os.environ.get('CUDA_HOME')}))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_HOME"}
+    out = subprocess.run(
+        [str(ml_env / "bin" / "python"), "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    return json.loads(out.stdout)
+
+
+def _store(stack) -> Store:
+    return Store(Layout(stack.root, stack.ml_env, stack.cuda_link, None))
+
+
+def test_build_makes_ml_env_a_link_to_the_new_generation(stack):
+    result = stack.build("fixture-old", "--json")
+    assert result.returncode == 0, result.stderr
+    assert stack.ml_env.is_symlink() and os.readlink(stack.ml_env) == str(stack.root / "current" / "env")
+    facts = _python_facts(stack.ml_env)
+    assert facts["torch"] == "2.9.1" and facts["cuda"] == "12.8" and facts["dep"] == 1
+    assert facts["generation"] == json.loads(result.stdout)["generation"]
+
+
+def test_record_holds_profile_lock_digest_python_cuda_patches_and_verification(stack):
+    stack.build("fixture-new", check=True)
+    gen = _store(stack).active()
+    record = gen.record
+    assert record["profile"] == "fixture-new"
+    assert record["lock_digest"].startswith("sha256:") and record["closure_digest"].startswith("sha256:")
+    assert record["python"].startswith("3.12")
+    assert record["cuda_home"].endswith("cuda-13.0")
+    assert record["patches"] == []
+    assert record["verification"]["status"] == "passed"
+    assert record["torch"] == {"version": "2.9.1+cu130", "cuda": "13.0"}
+    assert record["packages"]["torch"]["hash_verified"] is True
+
+
+def test_cuda_follows_the_generation(stack):
+    stack.build("fixture-old", check=True)
+    assert _python_facts(stack.ml_env)["cuda_home"].endswith("cuda-12.8")
+    assert os.path.realpath(stack.cuda_link).endswith("cuda-12.8")
+    stack.build("fixture-new", check=True)
+    assert _python_facts(stack.ml_env)["cuda_home"].endswith("cuda-13.0")
+    assert os.path.realpath(stack.cuda_link).endswith("cuda-13.0")
+
+
+def test_second_build_of_the_same_closure_changes_nothing(stack):
+    stack.build("fixture-new", check=True)
+    again = stack.build("fixture-new", "--json")
+    assert again.returncode == 0, again.stderr
+    payload = json.loads(again.stdout)
+    assert payload["changed"] is False and payload["actions"] == []
+    assert len(_store(stack).generations()) == 1
+
+
+def test_rollback_returns_to_the_previous_generation_which_reports_its_recorded_versions(stack):
+    stack.build("fixture-old", check=True)
+    stack.build("fixture-new", check=True)
+    assert _python_facts(stack.ml_env)["torch"] == "2.9.1+cu130"
+    result = stack.run("rollback", "--json", check=True)
+    payload = json.loads(result.stdout)
+    assert payload["switch"]["post_check"]["torch"] == "2.9.1"
+    facts = _python_facts(stack.ml_env)
+    assert (facts["torch"], facts["cuda"]) == ("2.9.1", "12.8")
+
+
+def test_rollback_with_no_generation_left_rebuilds_the_rollback_profile_from_the_lock(stack):
+    result = stack.run("rollback", "--wheelhouse", str(stack.wheelhouse), "--json", check=True)
+    payload = json.loads(result.stdout)
+    assert payload["rolled_back_by"] == "rebuild from the lock"
+    assert _python_facts(stack.ml_env)["torch"] == "2.9.1"
+
+
+def test_generations_json_lists_id_profile_created_size_active_verified(stack):
+    stack.build("fixture-old", check=True)
+    stack.build("fixture-new", check=True)
+    rows = json.loads(stack.run("generations", "--json", check=True).stdout)
+    assert [r["profile"] for r in rows] == ["fixture-old", "fixture-new"]
+    assert [r["active"] for r in rows] == [False, True]
+    for row in rows:
+        assert {"id", "created", "size_bytes", "verified"} <= set(row) and row["verified"] == "passed"
+
+
+def test_rollback_to_a_corrupted_generation_is_refused_naming_the_file(stack):
+    stack.build("fixture-old", check=True)
+    stack.build("fixture-new", check=True)
+    old = _store(stack).generations()[0]
+    victim = next(old.env.glob("lib/python3.*/site-packages/torch/version.py"))
+    victim.chmod(0o644)
+    victim.write_text(victim.read_text() + "# changed after sealing\n")
+    result = stack.run("rollback", "--to", str(old.id))
+    assert result.returncode == 5
+    assert "site-packages/torch/version.py" in result.stderr and "refusing to switch" in result.stderr
+    assert _python_facts(stack.ml_env)["torch"] == "2.9.1+cu130", "the active env must be untouched"
+
+
+def test_full_verify_catches_a_change_that_kept_size_and_mtime(stack):
+    stack.build("fixture-old", check=True)
+    stack.build("fixture-new", check=True)
+    old = _store(stack).generations()[0]
+    victim = next(old.env.glob("lib/python3.*/site-packages/fixture_dep/__init__.py"))
+    st = victim.stat()
+    victim.chmod(0o644)
+    victim.write_text("VALUE = 9\n")  # same length as "VALUE = 1\n"
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    # quick (inode/size/mtime) cannot see it; full hashing does, and names the file
+    assert stack.run("rollback", "--to", str(old.id), "--verify", "full").returncode == 5
+    assert "fixture_dep/__init__.py" in stack.run("generations", "--check", "--verify", "full").stdout
+
+
+def test_prune_never_removes_the_active_or_the_last_verified_generation(stack):
+    stack.build("fixture-old", check=True)
+    stack.build("fixture-new", check=True)
+    stack.run("rollback", "--to", "0", check=True)
+    removed = json.loads(stack.run("prune", "--keep", "1", "--json", check=True).stdout)["removed"]
+    names = [g.name for g in _store(stack).generations()]
+    assert removed == [] and len(names) == 2, "gen 0 is active, gen 1 is the last verified"
+
+
+def test_prune_removes_old_generations_beyond_keep(stack):
+    stack.build("fixture-old", check=True)
+    stack.build("fixture-new", check=True)
+    store = _store(stack)
+    first = store.generations()[0]
+    # a third generation: the old profile again, after the first was pruned away by keep=1
+    removed = json.loads(stack.run("prune", "--keep", "1", "--json", check=True).stdout)["removed"]
+    assert removed == [first.name]
+    assert not first.path.exists()
+
+
+def test_a_second_run_while_one_holds_the_store_says_who_holds_it(stack):
+    stack.root.mkdir(parents=True)
+    with RunLock(stack.root, command="bwstack build --profile fixture-new"):
+        result = stack.build("fixture-old")
+    assert result.returncode == 3
+    assert f"pid {os.getpid()}" in result.stderr and "bwstack build --profile fixture-new" in result.stderr
+    assert not stack.ml_env.exists()
+
+
+def test_the_run_lock_is_released_when_its_holder_dies(stack):
+    stack.root.mkdir(parents=True)
+    holder = subprocess.Popen(
+        ["python3", "-c", f"import fcntl,os,time; fd=os.open('{stack.root}/bwstack.lock', os.O_RDWR|os.O_CREAT); "
+         "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert holder.stdout.readline().strip() == "held"
+    assert stack.build("fixture-old").returncode == 3
+    holder.kill()
+    holder.wait()
+    assert stack.build("fixture-old").returncode == 0
+
+
+def test_nothing_in_the_store_is_world_writable(stack):
+    stack.build("fixture-new", check=True)
+    offenders = []
+    for dirpath, dirnames, filenames in os.walk(stack.root):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            if not os.path.islink(path) and os.lstat(path).st_mode & 0o002:
+                offenders.append(path)
+    assert offenders == []
+
+
+def test_generation_files_are_read_only(stack):
+    stack.build("fixture-new", check=True)
+    gen = _store(stack).active()
+    init = next(gen.env.glob("lib/python3.*/site-packages/torch/__init__.py"))
+    assert init.stat().st_mode & 0o222 == 0
+
+
+def test_an_install_into_one_generation_never_writes_through_into_another(stack, tmp_path):
+    stack.build("fixture-old", check=True)
+    stack.build("fixture-new", check=True)
+    old, new = _store(stack).generations()
+    shared_old = next(old.env.glob("lib/python3.*/site-packages/fixture_shared/__init__.py"))
+    shared_new = next(new.env.glob("lib/python3.*/site-packages/fixture_shared/__init__.py"))
+    assert shared_old.stat().st_ino == shared_new.stat().st_ino, "both generations hard-link the same file"
+    # a real installer run into the new generation (as root, the worst case): uv replaces, never writes through
+    from bwstack.uvtool import run_uv, uv_env
+
+    result = run_uv(
+        ["pip", "install", "--python", str(new.env / "bin" / "python"), "--no-index",
+         "--find-links", str(stack.tmp / "extra-wheels"), "fixture-shared==2.0"],
+        env=uv_env({"UV_CACHE_DIR": str(stack.root / "cache" / "uv")}), capture=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert (
+        "shared v2"
+        in next(new.env.glob("lib/python3.*/site-packages/fixture_shared/__init__.py")).read_text()
+    )
+    assert shared_old.read_text() == "DATA = 'shared v1'\n"
+    assert old.verify("full") == [], "the other generation still verifies byte for byte"
+    assert new.verify("quick") != [], "the changed generation no longer matches its own manifest"
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv to act as nobody"
+)
+def test_a_non_root_writer_cannot_modify_a_sealed_file(stack):
+    stack.build("fixture-new", check=True)
+    gen = _store(stack).active()
+    target = next(gen.env.glob("lib/python3.*/site-packages/fixture_shared/__init__.py"))
+    os.chmod(stack.tmp, 0o755)
+    result = subprocess.run(
+        ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "sh", "-c", f"echo x >> {target}"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode != 0 and "Permission denied" in result.stderr
+
+
+def test_a_running_process_keeps_the_generation_it_started_with(stack):
+    stack.build("fixture-old", check=True)
+    probe = subprocess.Popen(
+        [str(stack.ml_env / "bin" / "python"), "-c",
+         "import sys, os\nsys.stdin.readline()\nimport fixture_dep, torch\n"
+         "print(fixture_dep.VALUE, torch.__version__, os.environ['BWSTACK_GENERATION'])"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    stack.build("fixture-new", check=True)  # switch while the process runs, before its lazy imports
+    out, _ = probe.communicate("go\n", timeout=60)
+    value, torch_version, gen = out.split()
+    assert (value, torch_version) == ("1", "2.9.1") and "fixture-old" in gen
+
+
+def test_concurrent_builds_leave_one_consistent_store(stack):
+    results = []
+
+    def run():
+        results.append(stack.build("fixture-new"))
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    codes = sorted(r.returncode for r in results)
+    assert codes[0] == 0 and set(codes) <= {0, 3}
+    assert len(_store(stack).generations()) == 1

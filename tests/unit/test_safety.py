@@ -1,0 +1,266 @@
+"""Bad input and bad luck lose nothing: hash mismatches, unhashed wheels, SIGKILL, full disks, archives."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import needs_py312
+
+from bwstack.generations import Layout, Store
+
+pytestmark = needs_py312
+
+
+def _store(stack) -> Store:
+    return Store(Layout(stack.root, stack.ml_env, stack.cuda_link, None))
+
+
+def _active_imports(stack) -> str:
+    out = subprocess.run(
+        [str(stack.ml_env / "bin" / "python"), "-c", "import torch; print(torch.__version__)"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return out.stdout.strip()
+
+
+# ------------------------------------------------------------------------------------------------ hashes
+
+
+def test_a_wheel_whose_hash_differs_from_the_lock_is_refused_naming_the_package(stack, tmp_path):
+    stack.build("fixture-old", check=True)
+    before = os.readlink(stack.root / "current")
+    tampered = tmp_path / "tampered"
+    tampered.mkdir()
+    for wheel in stack.wheelhouse.iterdir():
+        data = wheel.read_bytes()
+        (tampered / wheel.name).write_bytes(data + (b"\0" if wheel.name.startswith("torch-2.9.1+cu130") else b""))
+    result = stack.run("build", "--profile", "fixture-new", "--wheelhouse", str(tampered))
+    assert result.returncode == 1
+    assert "torch 2.9.1+cu130" in result.stderr and "refused" in result.stderr
+    assert os.readlink(stack.root / "current") == before, "the active env is untouched"
+    assert [g.profile for g in _store(stack).generations()] == ["fixture-old"]
+    assert not list((stack.root / "generations").glob(".building-*"))
+    assert not any(p.name.startswith("torch-2.9.1+cu130") for p in (stack.root / "cache" / "wheels").rglob("*.whl"))
+
+
+def _null_hash(stack, package: str) -> None:
+    text = stack.lock.read_text()
+    spec, _, rest = text.partition("# ---- generated")
+    doc = yaml.safe_load(text)
+    wheel = doc["closures"]["fixture-new"]["env"][package]["wheels"][0]
+    wheel["sha256"] = None
+    wheel["hash_source"] = "missing: test case"
+    closures = yaml.safe_dump({"closures": doc["closures"]}, sort_keys=False)
+    stack.lock.write_text(spec + "# ---- generated" + rest.split("\n", 1)[0] + "\n" + closures)
+
+
+def test_a_wheel_without_a_hash_needs_allow_unhashed_and_says_so(stack):
+    _null_hash(stack, "fixture-dep")
+    result = stack.build("fixture-new")
+    assert result.returncode == 1
+    assert "no sha256 for fixture-dep 2.0" in result.stderr and "--allow-unhashed fixture-dep" in result.stderr
+    assert not stack.ml_env.exists()
+
+
+def test_allow_unhashed_installs_and_records_the_wheel_as_unverified(stack):
+    _null_hash(stack, "fixture-dep")
+    result = stack.build("fixture-new", "--allow-unhashed", "fixture-dep")
+    assert result.returncode == 0, result.stderr
+    assert "WARNING: fixture-dep 2.0: installing" in result.stdout
+    record = _store(stack).active().record
+    assert record["packages"]["fixture-dep"]["hash_verified"] is False
+    assert record["packages"]["torch"]["hash_verified"] is True
+
+
+# ------------------------------------------------------------------------------------------------ kills
+
+KILL_POINTS = [
+    "after-venv", "after-install", "after-patch", "after-verify", "before-manifest",
+    "before-commit-rename", "after-commit", "before-flip", "after-flip",
+]  # fmt: skip
+
+
+def _invariants_hold(stack, expected_torch: str) -> None:
+    assert _active_imports(stack) == expected_torch
+    active = _store(stack).active()
+    assert active is not None and active.verify("full") == []
+
+
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_sigkill_at_a_named_point_of_a_build_leaves_the_active_env_working_and_a_rerun_converges(stack, point):
+    stack.build("fixture-old", check=True)
+    killed = stack.build("fixture-new", extra_env={"BWSTACK_TEST_KILL_AT": point})
+    assert killed.returncode == -signal.SIGKILL
+    active = _store(stack).active()
+    _invariants_hold(stack, "2.9.1+cu130" if active.profile == "fixture-new" else "2.9.1")
+    rerun = stack.build("fixture-new", "--json")
+    assert rerun.returncode == 0, rerun.stderr
+    _invariants_hold(stack, "2.9.1+cu130")
+    assert not list((stack.root / "generations").glob(".building-*"))
+    assert len([g for g in _store(stack).generations() if g.profile == "fixture-new"]) == 1
+
+
+@pytest.mark.parametrize("delay_ms", [40, 80, 120, 160, 200, 240, 280, 320, 380, 450, 520, 600])
+def test_sigkill_at_a_random_moment_of_a_build_or_switch_leaves_a_working_env(stack, delay_ms):
+    stack.build("fixture-old", check=True)
+    stack.build("fixture-new", check=True)
+    stack.run("rollback", "--to", "0", check=True)
+    env = {**os.environ, **stack.env}
+    victim = subprocess.Popen(
+        [sys.executable, "-m", "bwstack", "--lock", str(stack.lock), "rollback", "--to", "1"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    ) if delay_ms % 80 == 0 else subprocess.Popen(
+        [sys.executable, "-m", "bwstack", "--lock", str(stack.lock), "build", "--profile", "fixture-new",
+         "--wheelhouse", str(stack.wheelhouse), "--no-switch"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    time.sleep(delay_ms / 1000)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    active = _store(stack).active()
+    _invariants_hold(stack, "2.9.1+cu130" if active.profile == "fixture-new" else "2.9.1")
+    assert stack.run("rollback", "--to", "1").returncode == 0
+    _invariants_hold(stack, "2.9.1+cu130")
+
+
+@pytest.mark.parametrize("point", ["adopt-before-current", "adopt-before-exchange"])
+def test_sigkill_during_adoption_keeps_the_hand_made_env_working_and_a_rerun_finishes_it(stack, point):
+    _hand_made_env(stack)
+    killed = stack.run("adopt", extra_env={"BWSTACK_TEST_KILL_AT": point})
+    assert killed.returncode == -signal.SIGKILL
+    assert _active_imports(stack) == "2.9.1"  # still works through the same path
+    assert stack.build("fixture-new").returncode == 0
+    gens = _store(stack).generations()
+    assert gens[0].record["origin"] == f"adopted:{stack.ml_env}" and not gens[0].env.is_symlink()
+    stack.run("rollback", "--to", str(gens[0].id), check=True)
+    assert _active_imports(stack) == "2.9.1"
+
+
+def test_the_kill_tests_cover_more_than_twenty_points():
+    assert len(KILL_POINTS) + 12 + 2 >= 20
+
+
+# ------------------------------------------------------------------------------------------------ adoption
+
+
+def _hand_made_env(stack) -> Path:
+    from bwstack.envbuild import find_python
+    from bwstack.uvtool import run_uv, uv_env
+
+    subprocess.run([find_python("3.12"), "-m", "venv", "--without-pip", str(stack.ml_env)], check=True)
+    old = [p for p in stack.wheelhouse.iterdir() if p.name.startswith(("torch-2.9.1-", "fixture_dep-1.0", "fixture_shared"))]
+    result = run_uv(
+        ["pip", "install", "--python", str(stack.ml_env / "bin" / "python"), "--no-deps", *map(str, old)],
+        env=uv_env(), capture=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return stack.ml_env
+
+
+def test_adopting_a_hand_made_env_makes_it_generation_0_without_copying(stack):
+    env = _hand_made_env(stack)
+    marker = next(env.glob("lib/python3.*/site-packages/torch/__init__.py"))
+    inode = marker.stat().st_ino
+    result = stack.run("adopt", "--json", check=True)
+    gen = _store(stack).get(json.loads(result.stdout)["generation"])
+    assert gen.id == 0 and gen.record["nearest_profile"] == "fixture-old"
+    assert next(gen.env.glob("lib/python3.*/site-packages/torch/__init__.py")).stat().st_ino == inode
+    assert stack.ml_env.is_symlink() and _active_imports(stack) == "2.9.1"
+
+
+def test_build_backs_up_a_hand_made_env_before_changing_anything(stack):
+    _hand_made_env(stack)
+    result = stack.build("fixture-new", "--json", check=True)
+    assert json.loads(result.stdout)["backup"]["action"] == "adopted"
+    assert _active_imports(stack) == "2.9.1+cu130"
+    stack.run("rollback", check=True)
+    assert _active_imports(stack) == "2.9.1"
+
+
+def test_backup_of_a_modified_generation_snapshots_it_with_hard_links(stack):
+    stack.build("fixture-new", check=True)
+    gen = _store(stack).active()
+    extra = next(gen.env.glob("lib/python3.*/site-packages")) / "added_by_user.py"
+    extra.write_text("X = 1\n")
+    result = json.loads(stack.run("backup", "--json", check=True).stdout)
+    assert result["action"] == "snapshot" and result["from"] == gen.name
+    snap = _store(stack).active()
+    assert snap.name != gen.name and snap.verify("full") == []
+    torch_init = "lib/python3.12/site-packages/torch/__init__.py"
+    assert (snap.env / torch_init).stat().st_ino == (gen.env / torch_init).stat().st_ino
+
+
+# ------------------------------------------------------------------------------------------------ archives
+
+
+def test_archive_restores_on_a_clean_root_and_imports(stack, tmp_path):
+    stack.build("fixture-old", check=True)
+    archive = tmp_path / "gen.tar.zst"
+    result = json.loads(stack.run("backup", "--archive", str(archive), "--json", check=True).stdout)
+    assert archive.is_file() and Path(f"{archive}.sha256").read_text().split()[0] == result["archive"]["sha256"]
+    clean = {"BWSTACK_ROOT": str(tmp_path / "new-root"), "BWSTACK_ML_ENV": str(tmp_path / "new-ml-env"), "BWSTACK_CUDA_LINK": "none"}
+    restored = stack.run("restore", str(archive), "--json", check=True, extra_env=clean)
+    payload = json.loads(restored.stdout)
+    assert payload["switch"]["post_check"]["torch"] == "2.9.1"
+    out = subprocess.run([str(tmp_path / "new-ml-env" / "bin" / "python"), "-c", "import torch; print(torch.version.cuda)"],
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    assert out.stdout.strip() == "12.8"
+
+
+def test_a_corrupted_archive_is_refused_and_nothing_is_switched(stack, tmp_path):
+    stack.build("fixture-old", check=True)
+    archive = tmp_path / "gen.tar.zst"
+    stack.run("backup", "--archive", str(archive), check=True)
+    data = bytearray(archive.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    archive.write_bytes(bytes(data))
+    clean = {"BWSTACK_ROOT": str(tmp_path / "r"), "BWSTACK_ML_ENV": str(tmp_path / "m"), "BWSTACK_CUDA_LINK": "none"}
+    result = stack.run("restore", str(archive), extra_env=clean)
+    assert result.returncode == 5 and "does not match" in result.stderr
+    assert not (tmp_path / "m").exists()
+
+
+# ------------------------------------------------------------------------------------------------ full disk
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_archive_to_a_full_disk_fails_cleanly_and_leaves_no_partial_file(stack, tiny_fs):
+    stack.build("fixture-old", check=True)
+    big = next(_store(stack).active().env.glob("lib/python3.*/site-packages")) / "padding.bin"
+    big.write_bytes(os.urandom(3 << 20))  # incompressible, larger than the 1 MiB filesystem
+    stack.run("backup", check=True)  # snapshot the modified env so the archive has something large
+    result = stack.run("backup", "--archive", str(tiny_fs / "gen.tar.zst"))
+    assert result.returncode == 1 and "disk full" in result.stderr
+    assert list(tiny_fs.iterdir()) == []
+
+
+def test_a_build_on_a_full_disk_fails_cleanly_and_switches_nothing(stack, tiny_fs):
+    stack.build("fixture-old", check=True)
+    current = os.readlink(stack.root / "current")
+    # The wheel store is already warm; the new generation has to be built on the full filesystem.
+    result = stack.run("build", "--profile", "fixture-new", "--wheelhouse", str(stack.wheelhouse),
+                       extra_env={"BWSTACK_ROOT": str(tiny_fs / "root")})  # fmt: skip
+    assert result.returncode in (1, 3, 4)
+    assert "disk" in result.stderr.lower() or "space" in result.stderr.lower()
+    assert os.readlink(stack.root / "current") == current
+    assert _active_imports(stack) == "2.9.1"
