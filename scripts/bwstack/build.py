@@ -98,6 +98,17 @@ def _required_bytes(wheels: dict[str, LocalWheel], uv_cache: Path) -> int:
     return max(int(wheel_bytes * 2.5) - cached, 0) + GIB
 
 
+def _same_version(runtime: str, dist: str) -> bool:
+    """torch reports "2.9.1+cu128" at run time for the PyPI wheel whose metadata says "2.9.1"."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        have, want = Version(runtime), Version(dist)
+    except InvalidVersion:
+        return runtime == dist
+    return have == want if want.local else have.public == want.public
+
+
 def _verify_new_env(profile: Profile, env: Path, expected: dict[str, str]) -> tuple[dict, dict]:
     checks = []
     problems = envbuild.differences(env, expected)
@@ -109,7 +120,7 @@ def _verify_new_env(profile: Profile, env: Path, expected: dict[str, str]) -> tu
     torch: dict = {}
     if "torch" in expected:
         torch = envinspect.import_torch(env)
-        ok = "error" not in torch and torch.get("version") == expected["torch"]
+        ok = "error" not in torch and _same_version(torch.get("version", ""), expected["torch"])
         checks.append({"check": "import torch", "ok": ok, "detail": torch})
     status = "passed" if all(c["ok"] for c in checks) else "failed"
     return {"status": status, "at": now_iso(), "checks": checks}, torch

@@ -148,7 +148,7 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     if args.target:
         from bwstack import playbooks
 
-        return playbooks.run_cli("rollback", args)
+        return playbooks.run_rollback(args)
     lock = _lock(args)
     layout = _layout(args)
     _apply_ca(args)
@@ -414,6 +414,58 @@ def cmd_features(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------------------ preflight
+
+
+def cmd_preflight(args: argparse.Namespace) -> int:
+    from bwstack import preflight
+
+    profile = _lock(args).profile(args.profile)
+    layout = _layout(args)
+    report = preflight.check(
+        preflight.requirements_of(profile),
+        root=str(layout.root),
+        min_free_gb=args.min_free_gb,
+        allow_no_gpu=args.allow_no_gpu,
+        allow_other_gpu=args.allow_other_gpu,
+    )
+    if args.json:
+        _print_json(report.as_dict())
+    else:
+        print(report.render())
+    if not report.ok:
+        print(f"bwstack: error: preflight refused: {report.refusal()}", file=sys.stderr)
+        return 4
+    return 0
+
+
+def cmd_probe_bundle(args: argparse.Namespace) -> int:
+    from bwstack import probe_bundle
+
+    print(probe_bundle.write(args.out))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ verify
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from bwstack import verify
+
+    results = verify.run_checks(
+        args.target,
+        lock_path=args.lock,
+        profile=args.profile,
+        env=args.env,
+        capability=args.capability,
+        runtime=not args.no_runtime,
+        facts_dir=args.facts_dir,
+        skip=args.skip,
+    )
+    print(verify.as_json(results) if args.json else verify.render(results))
+    return 0 if verify.ok(results) else 1
+
+
 # ------------------------------------------------------------------------------------------------ parser
 
 
@@ -574,6 +626,35 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("features", parents=[envsel], help="what the installed code will really do on SM120")
     p.add_argument("--capability", default="12.0", help="target compute capability (default 12.0)")
     p.set_defaults(func=cmd_features)
+
+    p = sub.add_parser("preflight", parents=[node], help="is this node fit for the profile? (changes nothing)")
+    p.add_argument("--profile")
+    p.add_argument("--min-free-gb", type=float, default=40.0)
+    p.add_argument("--allow-no-gpu", action="store_true", help="accept a CPU-only target (containers, CI), loudly")
+    p.add_argument("--allow-other-gpu", action="store_true", help="accept GPUs of another capability, loudly")
+    p.set_defaults(func=cmd_preflight)
+
+    p = sub.add_parser("probe-bundle", help="write the probe zipapp (what the playbooks ship to nodes)")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_probe_bundle)
+
+    from bwstack import image, playbooks
+
+    playbooks.register(sub)
+    image.register(sub)
+
+    p = sub.add_parser("verify", help="run the node checks (ABI, CUDA, SM120 kernels, features, GPU) on hosts")
+    p.add_argument("--target", default="local://", help="testinfra host spec(s): local://, docker://NAME, "
+                   "ssh://[user@]HOST, ansible://GROUP?ansible_inventory=FILE (default: local://)")
+    p.add_argument("--profile", help="profile to check against (default: the env's own)")
+    p.add_argument("--env", help="env path on the targets (default: their ml-env)")
+    p.add_argument("--capability", help="target GPU capability (default: the profile's)")
+    p.add_argument("--no-runtime", action="store_true", help="skip the GPU runtime probes")
+    p.add_argument("--facts-dir", help="also write each host's probe facts as JSON here")
+    p.add_argument("--skip", action="append", metavar="CHECK=REASON",
+                   help="waive checks whose name contains CHECK, with the reason shown in the report")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_verify)
 
     return parser
 

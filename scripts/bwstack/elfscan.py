@@ -25,7 +25,8 @@ from elftools.elf.elffile import ELFFile
 
 ELF_MAGIC = b"\x7fELF"
 _TORCH_NS = re.compile(r"(?<![0-9])(?:3c10|2at|5torch|6caffe2)")  # mangled c10::, at::, torch::, caffe2::
-_TORCH_LIB = re.compile(r"^lib(?:c10|torch)")
+# torch's own libraries (libtorchaudio, libtorchcodec_* are other packages' and live beside them)
+_TORCH_LIB = re.compile(r"^lib(?:c10(?:_cuda)?|torch(?:_cpu|_cuda|_cuda_linalg|_python|_global_deps|_nvshmem)?)\.so$")
 _BINDINGS = {0: "LOCAL", 1: "GLOBAL", 2: "WEAK", 10: "UNIQUE"}
 _TYPES = {0: "NOTYPE", 1: "OBJECT", 2: "FUNC", 3: "SECTION", 4: "FILE", 5: "COMMON", 6: "TLS", 10: "IFUNC"}
 _DEFAULT_DIRS = ("/lib64", "/usr/lib64", "/lib", "/usr/lib")
@@ -416,11 +417,17 @@ class AbiReport:
         return not self.missing and not self.missing_libraries
 
 
-def abi_report(ext_path: str | os.PathLike[str], torch_lib_dir: str | os.PathLike[str]) -> AbiReport:
+def abi_report(
+    ext_path: str | os.PathLike[str],
+    torch_lib_dir: str | os.PathLike[str],
+    extra_providers: Iterable[str | os.PathLike[str]] = (),
+) -> AbiReport:
     """Check the extension's torch-namespace imports against what torch_lib_dir's libraries export.
 
     Providers are the extension's DT_NEEDED libraries found in torch_lib_dir and, transitively, their
-    dependencies found there (the loader searches the whole dependency scope).
+    dependencies found there (the loader searches the whole dependency scope), plus `extra_providers`:
+    the other libraries in its load scope (e.g. libtorchcodec_core*.so beside a torchcodec extension,
+    which exports torchcodec functions that take at::Tensor).
     """
     lib_dir = os.path.abspath(torch_lib_dir)
     wanted = [s for s in undefined_symbols(ext_path) if not s.weak and is_torch_symbol(s.name)]
@@ -435,7 +442,7 @@ def abi_report(ext_path: str | os.PathLike[str], torch_lib_dir: str | os.PathLik
         providers.append(candidate)
         queue += [n for n in needed(candidate) if os.path.isfile(os.path.join(lib_dir, n))]
     exports: dict[str, set[str | None]] = {}
-    for provider in providers:
+    for provider in [*providers, *map(str, extra_providers)]:
         for sym in exported_symbols(provider):
             if is_torch_symbol(sym.name):
                 exports.setdefault(sym.name, set()).add(sym.version)

@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import glob
 import os
-import shutil
-import subprocess
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from bwstack import envinspect
+from bwstack import envinspect, preflight
 from bwstack.errors import BwstackError, UsageError
 from bwstack.uvtool import run_uv, uv_env
 from bwstack.wheelhouse import LocalWheel
-
-# Where an interpreter of the profile's version is usually found (Ubuntu 24.04: /usr/bin/python3.12).
-PYTHON_SEARCH = ("/usr/bin/python{v}", "/usr/local/bin/python{v}", "~/.pyenv/versions/{v}.*/bin/python{v}")
-
 
 def find_python(version: str, explicit: str | None = None) -> str:
     """An interpreter for `version` (e.g. "3.12"): the one given, else python3.X on PATH or usual places."""
@@ -25,28 +18,13 @@ def find_python(version: str, explicit: str | None = None) -> str:
         if not os.access(explicit, os.X_OK):
             raise UsageError(f"--python {explicit}: not an executable")
         return explicit
-    candidates = [shutil.which(f"python{version}")]
-    for pattern in PYTHON_SEARCH:
-        candidates += sorted(glob.glob(os.path.expanduser(pattern.format(v=version))), reverse=True)
-    for candidate in candidates:
-        if candidate and os.access(candidate, os.X_OK) and _runs_as(candidate, version):
-            return candidate
-    raise BwstackError(
-        f"no Python {version} found (the profile's interpreter): install python{version} "
-        f"(Ubuntu 24.04: apt install python3.12-venv) or pass --python PATH"
-    )
-
-
-def _runs_as(python: str, version: str) -> bool:
-    """Whether `python` starts and is `version` (pyenv shims exist for versions that are not selected)."""
-    try:
-        out = subprocess.run(
-            [python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
-            capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return out.returncode == 0 and out.stdout.strip() == version
+    found = preflight.find_python(version)
+    if found is None:
+        raise BwstackError(
+            f"no Python {version} found (the profile's interpreter): install python{version} "
+            f"(Ubuntu 24.04: apt install python3.12-venv) or pass --python PATH"
+        )
+    return found
 
 
 def create_venv(dest: Path, python: str, *, env: Mapping[str, str] | None = None) -> None:

@@ -104,6 +104,7 @@ class Expectations:
     target_capability: str
     sm120_kernels: tuple[str, ...]
     features: Mapping[str, str]
+    known_breaks: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,11 @@ class Profile:
         return int(match.group(1))
 
     def spec_digest(self) -> str:
-        return "sha256:" + _digest(self.spec)
+        """Digest of what the resolution depends on; editing expectations or patches needs no re-lock."""
+        keys = ("python", "platform", "requirements", "overrides")
+        resolution = {k: self.spec.get(k) for k in keys}
+        resolution["cuda_pip"] = self.spec.get("cuda", {}).get("pip")
+        return "sha256:" + _digest(resolution)
 
     def require_closure(self, lock_path: str) -> Closure:
         if self.closure is None:
@@ -191,6 +196,7 @@ class Lock:
     exclude_newer: str
     indexes: Mapping[str, Index]
     image_layers: tuple[ImageLayer, ...]
+    system_packages: Mapping[str, tuple[str, ...]]
     profiles: Mapping[str, Profile]
     spec_text: str
 
@@ -413,7 +419,7 @@ def _cuda(node: _Node) -> CudaToolkit:
 
 
 def _expect(node: _Node) -> Expectations:
-    node.only({"torch_cuda", "cudart_major", "target_capability", "sm120_kernels", "features"})
+    node.only({"torch_cuda", "cudart_major", "target_capability", "sm120_kernels", "features", "known_breaks"})
     features_node = node.node("features")
     features: dict[str, str] = {}
     for key, value in features_node.items():
@@ -421,6 +427,13 @@ def _expect(node: _Node) -> Expectations:
             features_node.fail(f"expected one of {', '.join(FEATURE_STATES)}, got {_kind(value)}", key)
         features[key] = value
     cap = node.str("target_capability", pattern=re.compile(r"^\d+\.\d+$"), hint=' capability like "12.0"')
+    known: dict[str, str] = {}
+    if node.has("known_breaks"):
+        breaks = node.node("known_breaks")
+        for path, reason in breaks.items():
+            if not isinstance(reason, str) or len(reason) < 20:
+                breaks.fail("say why this break is accepted (a sentence, at least 20 characters)", path)
+            known[path] = reason
     return Expectations(
         torch_cuda=node.str(
             "torch_cuda", pattern=re.compile(r"^\d+\.\d+$"), hint=' CUDA version like "13.0"'
@@ -429,6 +442,7 @@ def _expect(node: _Node) -> Expectations:
         target_capability=cap,
         sm120_kernels=node.str_list("sm120_kernels"),
         features=features,
+        known_breaks=known,
     )
 
 
@@ -544,6 +558,7 @@ def parse_lock(text: str, path: str = "stack.lock.yaml") -> Lock:
             "resolution",
             "indexes",
             "image",
+            "system_packages",
             "profiles",
             "closures",
         }
@@ -578,6 +593,13 @@ def parse_lock(text: str, path: str = "stack.lock.yaml") -> Lock:
         )
     if not layers:
         image.fail("must list at least one layer", "layers")
+    system: dict[str, tuple[str, ...]] = {}
+    if root.has("system_packages"):
+        sys_node = root.node("system_packages")
+        for os_id, _ in sys_node.items():
+            if not re.match(r"^[a-z]+-\d+(\.\d+)?$", os_id):
+                sys_node.fail("keys are OS ids like ubuntu-24.04 or debian-12", os_id)
+            system[os_id] = sys_node.str_list(os_id)
     prof_node = root.node("profiles")
     profiles = {}
     for name, value in prof_node.items():
@@ -613,6 +635,7 @@ def parse_lock(text: str, path: str = "stack.lock.yaml") -> Lock:
         exclude_newer=exclude_newer,
         indexes=indexes,
         image_layers=tuple(layers),
+        system_packages=system,
         profiles=profiles,
         spec_text=spec_text,
     )

@@ -1,0 +1,146 @@
+"""`bwstack verify`: run the node checks (tests/infra, pytest-testinfra) against any host; a table or JSON.
+
+Targets are testinfra host specs: local://, docker://CONTAINER, ssh://[user@]host, ansible://GROUP?ansible_inventory=FILE
+(several separated by commas). The checks are the same files `pytest tests/infra --hosts=SPEC` runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from bwstack.errors import UsageError
+
+RESULT_ORDER = {"failed": 0, "error": 1, "passed": 2, "skipped": 3}
+
+
+def infra_dir() -> Path:
+    import bwstack_infra
+
+    return Path(bwstack_infra.__file__).parent
+
+
+@dataclass
+class CheckResult:
+    host: str
+    check: str
+    outcome: str  # passed | failed | skipped | error
+    message: str
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class _Collector:
+    def __init__(self) -> None:
+        self.results: list[CheckResult] = []
+
+    @pytest.hookimpl
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+            nodeid = report.nodeid.split("::", 1)[-1]
+            name, _, param = nodeid.partition("[")
+            host, _, extra = param.rstrip("]").partition("-")
+            check = name.removeprefix("test_") + (f"[{extra}]" if extra else "")
+            outcome = report.outcome
+            if report.when == "setup" and outcome == "failed":
+                outcome = "error"
+            if outcome == "skipped" and isinstance(report.longrepr, tuple):
+                message = str(report.longrepr[2]).removeprefix("Skipped: ")
+            elif outcome in ("failed", "error"):
+                message = _failure_message(report)
+            else:
+                message = ""
+            notes = [str(v) for k, v in report.user_properties if k == "note"]
+            self.results.append(CheckResult(host or "local", check, outcome, message, notes, round(report.duration, 3)))
+
+
+def _failure_message(report: pytest.TestReport) -> str:
+    crash = getattr(report.longrepr, "reprcrash", None)
+    text = crash.message if crash is not None else str(report.longrepr)
+    text = text.split("\nassert ")[0].split("\n+  where")[0]
+    for prefix in ("AssertionError: ", "Failed: "):
+        text = text.removeprefix(prefix)
+    return " ".join(text.split())
+
+
+def run_checks(
+    target: str,
+    *,
+    lock_path: str,
+    profile: str | None = None,
+    env: str | None = None,
+    capability: str | None = None,
+    runtime: bool = True,
+    facts_dir: str | None = None,
+    skip: list[str] | None = None,
+    extra_args: list[str] | None = None,
+) -> list[CheckResult]:
+    args = [
+        str(infra_dir()),
+        f"--hosts={target}",
+        f"--stack-lock={lock_path}",
+        "-p", "no:cacheprovider",
+        "-q", "--no-header", "-o", "addopts=",
+    ]  # fmt: skip
+    if profile:
+        args.append(f"--stack-profile={profile}")
+    if env:
+        args.append(f"--stack-env={env}")
+    if capability:
+        args.append(f"--stack-capability={capability}")
+    if not runtime:
+        args.append("--stack-no-runtime")
+    if facts_dir:
+        args.append(f"--stack-facts-dir={facts_dir}")
+    args += [f"--stack-skip={item}" for item in skip or []]
+    args += extra_args or []
+    collector = _Collector()
+    sink = io.StringIO()
+    with contextlib.redirect_stdout(sink):
+        code = pytest.main(args, plugins=[collector])
+    if code in (pytest.ExitCode.USAGE_ERROR, pytest.ExitCode.INTERNAL_ERROR, pytest.ExitCode.NO_TESTS_COLLECTED):
+        tail = " ".join(sink.getvalue().strip().splitlines()[-3:])
+        raise UsageError(f"the checks could not run against {target}: {tail}")
+    return collector.results
+
+
+def render(results: list[CheckResult]) -> str:
+    if not results:
+        return "no checks ran"
+    marks = {"passed": "PASS", "failed": "FAIL", "error": "ERROR", "skipped": "SKIP"}
+    width = max(len(r.check) for r in results)
+    lines = []
+    for host in sorted({r.host for r in results}):
+        rows = [r for r in results if r.host == host]
+        lines.append(f"{host}:")
+        for r in sorted(rows, key=lambda r: (RESULT_ORDER.get(r.outcome, 9), r.check)):
+            line = f"  {marks.get(r.outcome, r.outcome):<5} {r.check:<{width}}"
+            if r.message:
+                line += f"  {r.message}"
+            lines.append(line)
+            for note in r.notes:
+                lines.append(f"  {'':<5} {'':<{width}}  note: {note}")
+        counts = {k: sum(r.outcome == k for r in rows) for k in ("passed", "failed", "error", "skipped")}
+        lines.append(
+            f"  {counts['passed']} passed, {counts['failed'] + counts['error']} failed, {counts['skipped']} skipped"
+        )
+    return "\n".join(lines)
+
+
+def as_json(results: list[CheckResult]) -> str:
+    hosts: dict[str, dict] = {}
+    for r in results:
+        entry = hosts.setdefault(r.host, {"ok": True, "checks": []})
+        entry["checks"].append(r.__dict__)
+        if r.outcome in ("failed", "error"):
+            entry["ok"] = False
+    return json.dumps({"ok": all(h["ok"] for h in hosts.values()) if hosts else False, "hosts": hosts}, indent=2)
+
+
+def ok(results: list[CheckResult]) -> bool:
+    return bool(results) and not any(r.outcome in ("failed", "error") for r in results)

@@ -1,0 +1,132 @@
+"""Fixtures for the node checks: the lock (read here, on the controller) and one probe run per host.
+
+The probe (bwstack.probe, shipped as a zipapp with pyelftools) runs on each target with the env's own Python
+and reports facts as JSON; every test judges one fact against the lock and says what to do when it is wrong.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from bwstack import probe_bundle
+from bwstack.lockfile import Lock, Profile, default_lock_path, load_lock
+
+CHUNK = 60_000  # base64 characters per command: well under Linux's 128 KiB limit for one argument
+_FACTS: dict[str, dict] = {}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("bwstack")
+    group.addoption("--stack-lock", default=None, help="stack.lock.yaml (default: bwstack's own)")
+    group.addoption("--stack-profile", default=None, help="profile to check against (default: the env's own)")
+    group.addoption("--stack-env", default=None, help="env path on the target (default: its ml-env)")
+    group.addoption("--stack-capability", default=None, help="target GPU capability (default: the profile's)")
+    group.addoption("--stack-facts-dir", default=None, help="write each host's probe facts here as JSON")
+    group.addoption("--stack-no-runtime", action="store_true", help="skip the GPU runtime probes")
+    group.addoption(
+        "--stack-skip", action="append", default=[], metavar="CHECK=REASON",
+        help="skip checks whose name contains CHECK, showing REASON (the operator's waiver; listed as SKIP)",
+    )  # fmt: skip
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    waivers = []
+    for item in config.getoption("--stack-skip"):
+        name, sep, reason = item.partition("=")
+        if not sep or not name or not reason:
+            raise pytest.UsageError(f"--stack-skip {item!r}: expected CHECK=REASON")
+        waivers.append((name, reason))
+    for item in items:
+        for name, reason in waivers:
+            if name in item.name:
+                item.add_marker(pytest.mark.skip(reason=f"waived by the operator: {reason}"))
+
+
+@pytest.fixture(scope="session")
+def lock(request: pytest.FixtureRequest) -> Lock:
+    return load_lock(request.config.getoption("--stack-lock") or default_lock_path())
+
+
+def _upload(host, data: bytes, remote: str) -> None:
+    encoded = base64.b64encode(data).decode()
+    tmp = f"{remote}.b64.tmp"
+    host.run_expect([0], f"rm -f {shlex.quote(tmp)}")
+    for start in range(0, len(encoded), CHUNK):
+        host.run_expect([0], f"printf %s {encoded[start:start + CHUNK]} >> {shlex.quote(tmp)}")
+    host.run_expect([0], f"base64 -d {shlex.quote(tmp)} > {shlex.quote(remote)} && rm -f {shlex.quote(tmp)}")
+
+
+def collect(host, config: pytest.Config, capability: str) -> dict:
+    remote = f"/tmp/bwstack-probe-{probe_bundle.digest()}.pyz"
+    if not host.file(remote).exists:
+        _upload(host, probe_bundle.build(), remote)
+    env = config.getoption("--stack-env")
+    args = ["--capability", capability]
+    if env:
+        args += ["--env", env]
+    if config.getoption("--stack-no-runtime"):
+        args.append("--no-runtime")
+    python_cmd = (
+        f"p={shlex.quote(env or '')}/bin/python; "
+        "if [ -n \"$p\" ] && [ -x \"$p\" ]; then echo $p; else command -v python3; fi"
+    )
+    python = host.check_output(python_cmd) or "python3"
+    result = host.run(f"{shlex.quote(python)} {remote} {' '.join(shlex.quote(a) for a in args)}")
+    if result.rc != 0:
+        raise RuntimeError(f"the bwstack probe failed on {host.backend.get_pytest_id()}: {result.stderr[-2000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def facts(host, request: pytest.FixtureRequest, lock: Lock) -> dict:
+    key = host.backend.get_pytest_id()
+    if key not in _FACTS:
+        capability = request.config.getoption("--stack-capability")
+        profile_name = request.config.getoption("--stack-profile")
+        capability = capability or lock.profile(profile_name).expect.target_capability
+        _FACTS[key] = collect(host, request.config, capability)
+        out = request.config.getoption("--stack-facts-dir")
+        if out:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            (Path(out) / f"{key.replace('/', '_')}.json").write_text(json.dumps(_FACTS[key], indent=1))
+    return _FACTS[key]
+
+
+@pytest.fixture(scope="module")
+def profile(facts: dict, lock: Lock, request: pytest.FixtureRequest) -> Profile:
+    """The profile named on the command line, else the one the env's generation was built from."""
+    name = request.config.getoption("--stack-profile")
+    if not name:
+        gen = facts.get("env", {}).get("generation") or {}
+        name = gen.get("profile") or gen.get("nearest_profile") or lock.default_profile
+    return lock.profile(name)
+
+
+@pytest.fixture(scope="module")
+def env(facts: dict) -> dict:
+    if not facts["env"].get("exists"):
+        pytest.fail(f"no env at {facts['env']['path']} on this host: provision it (`bwstack provision`) or pass --stack-env")
+    return facts["env"]
+
+
+@pytest.fixture(scope="module")
+def gpu(facts: dict) -> dict:
+    if not facts["gpu"]["present"]:
+        pytest.skip(f"no GPU: {facts['gpu']['reason']}")
+    return facts["gpu"]
+
+
+@pytest.fixture(scope="module")
+def target_gpu(gpu: dict, profile: Profile) -> dict:
+    """The GPUs when they are the profile's target capability; SM120-only checks skip on other GPUs."""
+    want = profile.expect.target_capability
+    caps = sorted({g["capability"] for g in gpu["gpus"]})
+    if caps != [want]:
+        pytest.skip(f"GPU capability {', '.join(caps)} ({gpu['gpus'][0]['name']}), not the profile's {want}: "
+                    f"SM{want.replace('.', '')}-only check")
+    return gpu
