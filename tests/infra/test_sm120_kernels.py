@@ -31,7 +31,7 @@ def test_sgl_kernel_common_ops_carries_kernels_for_the_target_capability(facts, 
     _covered(facts["fatbin"]["sgl_kernel"], f"sgl-kernel {facts['fatbin']['sgl_kernel_variant']}/common_ops", facts["capability"])
 
 
-def test_flashinfer_gets_its_sm120_kernels_from_jit_or_jit_cache(facts, env):
+def test_flashinfer_sm120_kernels_come_from_its_jit_cache_or_nvcc(facts, env):
     """flashinfer-cubin ships no SM120 cubins (trtllm-gen/deep-gemm are SM100); SM120 kernels come from the
     jit-cache's prebuilt .so files or are JIT-compiled with nvcc at first use."""
     fb = facts["fatbin"]
