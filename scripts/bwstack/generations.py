@@ -95,12 +95,18 @@ class Layout:
         return self.root / "history.jsonl"
 
     @property
+    def cache(self) -> Path:
+        """Wheels and uv's unpacked cache. BWSTACK_CACHE shares one between stores (same filesystem, so
+        generations still hard-link from it)."""
+        return Path(os.environ.get("BWSTACK_CACHE") or self.root / "cache")
+
+    @property
     def wheel_store(self) -> Path:
-        return self.root / "cache" / "wheels"
+        return self.cache / "wheels"
 
     @property
     def uv_cache(self) -> Path:
-        return self.root / "cache" / "uv"
+        return self.cache / "uv"
 
 
 # ------------------------------------------------------------------------------------------------ generation

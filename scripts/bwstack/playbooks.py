@@ -1,13 +1,355 @@
-"""`bwstack provision` (and `rollback --target`): drive the Ansible playbooks for users without inventory."""
+"""`bwstack provision` (and `rollback --target`): drive the Ansible playbooks for users without inventory.
+
+Also `bwstack controller-facts`, which the roles run on the controller: what they need from the lock (a
+profile's preflight requirements, its CUDA toolkit, the lock's system packages) plus, on request, the probe
+zipapp and a bwstack wheel to ship to nodes. The roles never parse the lock in Jinja; they read this JSON.
+
+Targets: `local://` (this machine, connection=local), `ssh://[user@]host[:port]` (several, comma-separated:
+a temporary inventory is written), or `ansible://INVENTORY[?limit=PATTERN&group=GROUP]` (yours).
+"""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+from bwstack.errors import BwstackError, UsageError
+
+GROUP = "bwstack_nodes"
+# Fixed zip timestamps (2026-01-01): an unchanged checkout gives the same wheel bytes, so shipping it to a
+# node is a no-op on a converged re-run.
+SOURCE_DATE_EPOCH = "1767225600"
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    """Add the `provision` subcommand (to be implemented)."""
+# ------------------------------------------------------------------------------------------------ locating
+
+
+def ansible_dir() -> Path:
+    """The ansible/ directory: $BWSTACK_ANSIBLE_DIR, the checkout's, or a copy shipped in the package."""
+    here = Path(__file__).resolve()
+    candidates = [os.environ.get("BWSTACK_ANSIBLE_DIR"), here.parents[2] / "ansible", here.parent / "data" / "ansible"]
+    for candidate in candidates:
+        if candidate and (Path(candidate) / "provision.yml").is_file():
+            return Path(candidate)
+    raise UsageError(
+        "the bwstack playbooks (ansible/provision.yml) are not installed with this bwstack: run it from a "
+        "checkout, or set BWSTACK_ANSIBLE_DIR to the repository's ansible/ directory"
+    )
+
+
+def ansible_playbook() -> str:
+    beside = Path(sys.executable).parent / "ansible-playbook"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("ansible-playbook")
+    if found:
+        return found
+    raise BwstackError(
+        f"ansible-playbook not found (neither beside {sys.executable} nor on PATH): "
+        "install ansible-core into bwstack's environment (`pip install 'ansible-core>=2.16'`)"
+    )
+
+
+def source_tree() -> Path | None:
+    """bwstack's own checkout (an editable install), from which the wheel for nodes is built."""
+    root = Path(__file__).resolve().parents[2]
+    if (root / "pyproject.toml").is_file() and (root / "scripts" / "bwstack" / "__init__.py").is_file():
+        return root
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ controller facts
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _atomic_copy_into(src: Path, dest_dir: Path) -> Path:
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    dest = dest_dir / src.name
+    tmp = dest_dir / f".{src.name}.{os.getpid()}.tmp"
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dest)
+    return dest
+
+
+def write_probe(directory: Path) -> Path:
+    from bwstack import probe_bundle
+
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"bwstack-probe-{probe_bundle.digest()}.pyz"
+    if not path.is_file():
+        tmp = directory / f".{path.name}.{os.getpid()}.tmp"
+        probe_bundle.write(tmp)
+        os.replace(tmp, path)
+    return path
+
+
+def build_wheel(directory: Path) -> dict:
+    """`pip wheel --no-deps` of the checkout, reproducible, placed atomically in `directory`."""
+    src = source_tree()
+    if src is None:
+        raise UsageError(
+            "this bwstack is not an editable checkout, so there is no source to build a wheel from: "
+            "set bwstack_tool_wheel to a bwstack wheel on the controller"
+        )
+    with tempfile.TemporaryDirectory(prefix="bwstack-wheel-") as tmp:
+        result = subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "--wheel-dir", tmp, str(src)],
+            capture_output=True, text=True, env={**os.environ, "SOURCE_DATE_EPOCH": SOURCE_DATE_EPOCH},
+        )  # fmt: skip
+        wheels = sorted(Path(tmp).glob("bwstack-*.whl"))
+        if result.returncode != 0 or len(wheels) != 1:
+            tail = (result.stderr or result.stdout).strip()[-800:]
+            raise BwstackError(f"could not build the bwstack wheel from {src}: {tail}")
+        path = _atomic_copy_into(wheels[0], directory)
+    return {"path": str(path), "name": path.name, "sha256": _sha256(path)}
+
+
+def controller_facts(lock, probe_dir: str | None, wheel_dir: str | None, wheel: str | None) -> dict:
+    from bwstack import preflight
+
+    profiles = {}
+    for name, profile in lock.profiles.items():
+        cuda = profile.cuda
+        profiles[name] = {
+            "requirements": preflight.requirements_of(profile),
+            "cuda": {
+                "version": cuda.version,
+                "major_minor": cuda.major_minor,
+                "home": cuda.home,
+                "min_driver": cuda.min_driver,
+                "apt_package": cuda.apt_package,
+                "apt_version": cuda.apt_version,
+                "pip": f"cuda-toolkit[{','.join(cuda.pip_components)}]=={cuda.pip_version}",
+            },
+            "python": profile.python,
+        }
+    facts: dict = {
+        "lock": str(Path(lock.path).resolve()),
+        "default_profile": lock.default_profile,
+        "rollback_profile": lock.rollback_profile,
+        "system_packages": {os_id: list(pkgs) for os_id, pkgs in lock.system_packages.items()},
+        "profiles": profiles,
+    }
+    if probe_dir:
+        facts["probe"] = str(write_probe(Path(probe_dir)))
+    if wheel:
+        path = Path(wheel)
+        if not path.is_file() or not path.name.startswith("bwstack-") or path.suffix != ".whl":
+            raise UsageError(f"--wheel {wheel}: not a bwstack wheel file")
+        facts["wheel"] = {"path": str(path.resolve()), "name": path.name, "sha256": _sha256(path)}
+    elif wheel_dir:
+        facts["wheel"] = build_wheel(Path(wheel_dir))
+    return facts
+
+
+def cmd_controller_facts(args: argparse.Namespace) -> int:
+    from bwstack.lockfile import load_lock
+
+    facts = controller_facts(load_lock(args.lock), args.probe_dir, args.wheel_dir, args.wheel)
+    json.dump(facts, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ targets
+
+
+def local_python() -> str:
+    """The interpreter for modules on this machine: the system's (it has apt's bindings), else bwstack's."""
+    return "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
+
+
+def parse_targets(spec: str) -> tuple[list[str], dict, dict | None]:
+    """-> (ansible-playbook arguments, extra vars, inventory to write or None)."""
+    hosts: dict[str, dict] = {}
+    args: list[str] = []
+    extra: dict = {}
+    for item in (part.strip() for part in spec.split(",")):
+        if not item:
+            continue
+        parts = urlsplit(item)
+        scheme = parts.scheme or ("local" if item == "local" else "")
+        if scheme == "local":
+            hosts["localhost"] = {"ansible_connection": "local", "ansible_python_interpreter": local_python()}
+        elif scheme == "ssh":
+            if not parts.hostname:
+                raise UsageError(f"--target {item}: expected ssh://[user@]host[:port]")
+            entry: dict = {"ansible_host": parts.hostname, "ansible_connection": "ssh"}
+            if parts.username:
+                entry["ansible_user"] = parts.username
+            if parts.port:
+                entry["ansible_port"] = parts.port
+            hosts[parts.hostname if not parts.port else f"{parts.hostname}_{parts.port}"] = entry
+        elif scheme == "ansible":
+            inventory = (parts.netloc + parts.path) or ""
+            if not inventory:
+                raise UsageError(f"--target {item}: expected ansible://PATH_TO_INVENTORY[?limit=...&group=...]")
+            if not Path(inventory).exists():
+                raise UsageError(f"--target {item}: no inventory at {inventory}")
+            query = parse_qs(parts.query)
+            unknown = set(query) - {"limit", "group"}
+            if unknown:
+                raise UsageError(f"--target {item}: unknown option(s) {', '.join(sorted(unknown))} (limit, group)")
+            args += ["-i", inventory]
+            if "limit" in query:
+                args += ["--limit", query["limit"][-1]]
+            if "group" in query:
+                extra["bwstack_hosts"] = query["group"][-1]
+        else:
+            raise UsageError(
+                f"--target {item}: unknown target (use local://, ssh://[user@]host[:port] or ansible://INVENTORY)"
+            )
+    if hosts and args:
+        raise UsageError("--target: combine ansible:// with nothing else (put those hosts in your inventory)")
+    if not hosts and not args:
+        raise UsageError("--target: no target given")
+    inventory = {"all": {"children": {GROUP: {"hosts": hosts}}}} if hosts else None
+    return args, extra, inventory
+
+
+def _common_vars(args: argparse.Namespace) -> dict:
+    """Extra vars for the options the user gave (what they did not give stays with the inventory)."""
+    out: dict = {"bwstack_lock": str(Path(args.lock).resolve())}
+    pairs = {
+        "bwstack_root": getattr(args, "root", None),
+        "bwstack_ml_env": getattr(args, "ml_env", None),
+        "bwstack_cuda_link": getattr(args, "cuda_link", None),
+        "bwstack_ca_bundle": getattr(args, "ca_bundle", None),
+    }
+    out.update({k: v for k, v in pairs.items() if v})
+    lists = {
+        "bwstack_wheelhouse": getattr(args, "wheelhouse", None),
+        "bwstack_index": getattr(args, "index", None),
+        "bwstack_allow_unhashed": getattr(args, "allow_unhashed", None),
+        "bwstack_verify_skip": getattr(args, "verify_skip", None),
+    }
+    out.update({k: list(v) for k, v in lists.items() if v})
+    for item in out.get("bwstack_verify_skip", []):
+        if "=" not in item or not item.partition("=")[2]:
+            raise UsageError(f"--verify-skip {item!r}: expected CHECK=REASON")
+    if getattr(args, "offline", False):
+        out["bwstack_offline"] = True
+    return out
+
+
+def run_playbook(playbook: str, args: argparse.Namespace, extra_vars: dict) -> int:
+    directory = ansible_dir()
+    binary = ansible_playbook()
+    target_args, target_vars, inventory = parse_targets(args.target)
+    with tempfile.TemporaryDirectory(prefix="bwstack-ansible-") as tmp:
+        cmd = [binary, str(directory / playbook), *target_args]
+        if inventory is not None:
+            inv = Path(tmp) / "inventory.json"
+            inv.write_text(json.dumps(inventory, indent=2))
+            cmd += ["-i", str(inv)]
+        variables = {**_common_vars(args), **target_vars, **extra_vars}
+        vars_file = Path(tmp) / "extra-vars.json"
+        vars_file.write_text(json.dumps(variables, indent=2))
+        cmd += ["-e", f"@{vars_file}"]
+        for item in getattr(args, "extra_vars", None) or []:
+            cmd += ["-e", item]
+        if getattr(args, "check", False):
+            cmd.append("--check")
+        if getattr(args, "diff", False):
+            cmd.append("--diff")
+        env = {**os.environ, "ANSIBLE_CONFIG": str(directory / "ansible.cfg")}
+        print(f"bwstack: running {' '.join(cmd)}", file=sys.stderr, flush=True)
+        try:
+            code = subprocess.run(cmd, env=env, cwd=directory).returncode
+        except KeyboardInterrupt:
+            print("bwstack: interrupted", file=sys.stderr)
+            return 130
+    if code != 0:
+        print(f"bwstack: error: ansible-playbook {playbook} failed (exit {code}); see the output above", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_provision(args: argparse.Namespace) -> int:
+    extra: dict = {}
+    if args.profile:
+        extra["bwstack_profile"] = args.profile
+    if args.cuda_method:
+        extra["bwstack_cuda_method"] = args.cuda_method
+    if args.allow_no_gpu:
+        extra["bwstack_preflight_allow_no_gpu"] = True
+    if args.min_free_gb is not None:
+        extra["bwstack_preflight_min_free_gb"] = args.min_free_gb
+    return run_playbook("provision.yml", args, extra)
 
 
 def run_rollback(args: argparse.Namespace) -> int:
-    raise NotImplementedError
+    extra: dict = {}
+    if args.to:
+        extra["bwstack_mlenv_rollback_to"] = args.to
+    if args.profile:
+        extra["bwstack_mlenv_rollback_profile"] = args.profile
+    return run_playbook("rollback.yml", args, extra)
+
+
+# ------------------------------------------------------------------------------------------------ parser
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `provision` and `controller-facts`; give `rollback` the options its --target mode needs."""
+    p = sub.add_parser(
+        "provision",
+        help="run the provision playbook (preflight, CUDA, env, verify) on local://, ssh:// or ansible:// targets",
+    )
+    p.add_argument("--target", default="local://",
+                   help="local:// (default), ssh://[user@]host[:port][,ssh://...], or ansible://INVENTORY[?limit=...&group=...]")
+    p.add_argument("--profile", help="the lock's profile (default: its default_profile)")
+    p.add_argument("--check", action="store_true", help="report what would change; change nothing")
+    p.add_argument("--diff", action="store_true", help="show the planned changes as diffs")
+    p.add_argument("--cuda-method", choices=["pip", "apt", "none"],
+                   help="how the profile's CUDA toolkit is installed (default pip; none: managed elsewhere)")
+    p.add_argument("--allow-no-gpu", action="store_true",
+                   help="accept CPU-only targets (containers, CI); said loudly in the output")
+    p.add_argument("--min-free-gb", type=float, help="free disk the preflight requires at the store (default 40)")
+    _add_store_and_sources(p)
+    p.set_defaults(func=cmd_provision)
+
+    rollback = sub.choices.get("rollback")
+    if rollback is not None:
+        _add_playbook_options(rollback)
+
+    p = sub.add_parser("controller-facts", help="(for the Ansible roles) what the lock says, as JSON")
+    p.add_argument("--probe-dir", help="also write the probe zipapp into this directory")
+    p.add_argument("--wheel-dir", help="also build bwstack's wheel (pip wheel --no-deps) into this directory")
+    p.add_argument("--wheel", help="use this bwstack wheel instead of building one")
+    p.set_defaults(func=cmd_controller_facts)
+
+
+def _add_playbook_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verify-skip", action="append", metavar="CHECK=REASON",
+                   help="waive a verify check on the targets, with the reason (shown in the report)")
+    p.add_argument("-e", "--extra-vars", action="append", metavar="VARS",
+                   help="passed to ansible-playbook -e (repeatable)")
+
+
+def _add_store_and_sources(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--root", help="bwstack's store on the targets (default /opt/bwstack)")
+    p.add_argument("--ml-env", help="the env path users run on the targets (default /opt/ml-env)")
+    p.add_argument("--cuda-link", help="the /usr/local/cuda-style link on the targets ('none' to leave it)")
+    p.add_argument("--wheelhouse", action="append", help="directory of wheels on the targets, used first (repeatable)")
+    p.add_argument("--index", action="append", metavar="NAME=URL", help="a mirror for one of the lock's indexes")
+    p.add_argument("--offline", action="store_true", help="use only --wheelhouse (and the node's wheel store)")
+    p.add_argument("--ca-bundle", help="CA bundle on the targets for TLS (always verified)")
+    p.add_argument("--allow-unhashed", action="append", metavar="NAME",
+                   help="install NAME although the lock has no sha256 for it (recorded as unverified)")
+    _add_playbook_options(p)

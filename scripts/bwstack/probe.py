@@ -397,8 +397,17 @@ def import_facts(env: Path, sp: Path, gpu_present: bool) -> dict:
     return results
 
 
+ROOT_CAUSES = ("undefined symbol", "cannot open shared object file", "version `GLIBC", "no kernel image")
+
+
 def _last_error(stderr: str) -> str:
+    """The line that says why: a loader error buried in a wrapper message (sgl_kernel's "Could not load any
+    common_ops library" lists them below), else the last exception line."""
     lines = [line for line in stderr.strip().splitlines() if line.strip()]
+    for cause in ROOT_CAUSES:
+        for line in lines:
+            if cause in line:
+                return line.strip().lstrip("- ")[:600]
     for line in reversed(lines):
         if re.match(r"^\w*(Error|Exception)\b", line) or "Error:" in line:
             return line.strip()[:600]

@@ -20,9 +20,18 @@ RESULT_ORDER = {"failed": 0, "error": 1, "passed": 2, "skipped": 3}
 
 
 def infra_dir() -> Path:
-    import bwstack_infra
+    """tests/infra: installed as the package `bwstack_infra`, or beside the source in a checkout."""
+    try:
+        import bwstack_infra
 
-    return Path(bwstack_infra.__file__).parent
+        if bwstack_infra.__file__:
+            return Path(bwstack_infra.__file__).parent
+    except ImportError:
+        pass
+    here = Path(__file__).resolve().parents[2] / "tests" / "infra"
+    if here.is_dir():
+        return here
+    raise UsageError("the node checks (tests/infra) are not installed with this bwstack")
 
 
 @dataclass

@@ -1,0 +1,298 @@
+#!/usr/bin/python
+"""Ansible module: run bwstack's node operations (build, rollback, cuda) with check mode and --diff.
+
+The work is done by the `bwstack` CLI installed on the node (one implementation for the CLI, the roles and
+the Docker build); this module only maps check mode to `bwstack build --check`, reads `changed` from the
+JSON bwstack prints, and turns "active generation before -> after" into a diff.
+"""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: bwstack_node
+short_description: Build, roll back or install a CUDA toolkit with the bwstack CLI on a node
+description:
+  - Runs C(bwstack build), C(bwstack rollback) or C(bwstack cuda install) on the node and reports
+    C(changed) from bwstack's JSON.
+  - In check mode it runs C(bwstack build --check) or C(bwstack cuda status) and changes nothing.
+  - With C(--diff) it shows the active generation before and after, and the planned actions.
+options:
+  bwstack:
+    description: The bwstack executable on the node.
+    type: path
+    required: true
+  lock:
+    description: The stack lock on the node.
+    type: path
+    required: true
+  action:
+    description: What to do.
+    type: str
+    required: true
+    choices: [build, rollback, cuda]
+  profile:
+    description: The lock's profile (empty for its default; for rollback, the newest generation of it).
+    type: str
+    default: ""
+  to:
+    description: For rollback, the generation id or name to switch to.
+    type: str
+    default: ""
+  root:
+    description: bwstack's store.
+    type: path
+    required: true
+  ml_env:
+    description: The env path users run.
+    type: path
+    required: true
+  cuda_link:
+    description: The /usr/local/cuda-style link the switch keeps on the active toolkit (C(none) to leave it).
+    type: str
+    required: true
+  prefix:
+    description: For cuda, the install prefix (empty for the profile's cuda.home).
+    type: str
+    default: ""
+  wheelhouse:
+    description: Directories of wheels on the node, used before any index.
+    type: list
+    elements: str
+    default: []
+  index:
+    description: NAME=URL mirrors for the lock's indexes.
+    type: list
+    elements: str
+    default: []
+  offline:
+    description: Use only the wheelhouses and the node's wheel store.
+    type: bool
+    default: false
+  ca_bundle:
+    description: CA bundle for TLS (TLS is always verified).
+    type: str
+    default: ""
+  allow_unhashed:
+    description: Packages that may be installed although the lock has no sha256 for them.
+    type: list
+    elements: str
+    default: []
+"""
+
+RETURN = r"""
+result:
+  description: The JSON bwstack printed.
+  type: dict
+  returned: when bwstack ran
+active_before:
+  description: The active generation before the run (null when none).
+  type: str
+  returned: always
+"""
+
+import json
+import os
+
+from ansible.module_utils.basic import AnsibleModule
+
+
+def _store_args(p: dict) -> list[str]:
+    return ["--root", p["root"], "--ml-env", p["ml_env"], "--cuda-link", p["cuda_link"] or "none"]
+
+
+def _source_args(p: dict) -> list[str]:
+    args: list[str] = []
+    for item in p["wheelhouse"]:
+        args += ["--wheelhouse", item]
+    for item in p["index"]:
+        args += ["--index", item]
+    if p["offline"]:
+        args.append("--offline")
+    if p["ca_bundle"]:
+        args += ["--ca-bundle", p["ca_bundle"]]
+    for item in p["allow_unhashed"]:
+        args += ["--allow-unhashed", item]
+    return args
+
+
+def _profile_args(p: dict) -> list[str]:
+    return ["--profile", p["profile"]] if p["profile"] else []
+
+
+class Runner:
+    def __init__(self, module: AnsibleModule) -> None:
+        self.module = module
+        self.p = module.params
+        self.base = [self.p["bwstack"], "--lock", self.p["lock"]]
+
+    def run(self, *args: str, ok_codes: tuple[int, ...] = (0,)) -> tuple[int, dict, str]:
+        cmd = [*self.base, *args]
+        rc, out, err = self.module.run_command(cmd)
+        if rc not in ok_codes:
+            lines = [line for line in err.strip().splitlines() if line.strip()]
+            errors = [line for line in lines if line.startswith("bwstack: error:")]
+            message = (errors or lines or [f"exit {rc}"])[-1]
+            self.module.fail_json(
+                msg=message, rc=rc, cmd=cmd, stderr_lines=lines[-40:], busy=rc == 3, active_before=None
+            )
+        try:
+            payload = json.loads(out) if out.strip() else {}
+        except ValueError:
+            self.module.fail_json(msg=f"bwstack printed no JSON: {out[-500:]}", rc=rc, cmd=cmd, active_before=None)
+        return rc, payload, err
+
+    def generations(self) -> list[dict]:
+        if not os.path.isdir(os.path.join(self.p["root"], "generations")):
+            return []
+        _, rows, _ = self.run("generations", *_store_args(self.p), "--json")
+        return rows if isinstance(rows, list) else []
+
+
+def _active(rows: list[dict]) -> str | None:
+    return next((r["name"] for r in rows if r.get("active")), None)
+
+
+def _state(ml_env: str, active: str | None, extra: list[str] | None = None) -> str:
+    lines = [f"ml_env: {ml_env}", f"active generation: {active or '(none)'}"]
+    return "\n".join(lines + [f"# {a}" for a in extra or []]) + "\n"
+
+
+def do_build(r: Runner) -> dict:
+    p = r.p
+    rows = r.generations()
+    before = _active(rows)
+    if r.module.check_mode:
+        _, plan, _ = r.run("build", *_profile_args(p), *_store_args(p), "--check", "--json")
+        after = plan.get("target") if plan.get("changed") else before
+        return {
+            "changed": bool(plan.get("changed")),
+            "result": plan,
+            "active_before": before,
+            "msg": "; ".join(plan.get("actions") or []) or "nothing to do",
+            "diff": {"before": _state(p["ml_env"], before), "after": _state(p["ml_env"], after, plan.get("actions"))},
+        }
+    _, result, err = r.run("build", *_profile_args(p), *_store_args(p), *_source_args(p), "--json")
+    return {
+        "changed": bool(result.get("changed")),
+        "result": result,
+        "active_before": before,
+        "msg": "; ".join(result.get("actions") or []) or "nothing to do",
+        "log": err.strip().splitlines()[-60:],
+        "diff": {
+            "before": _state(p["ml_env"], before),
+            "after": _state(p["ml_env"], result.get("active"), result.get("actions")),
+        },
+    }
+
+
+def do_rollback(r: Runner) -> dict:
+    p = r.p
+    rows = r.generations()
+    before = _active(rows)
+    if r.module.check_mode:
+        target = None
+        if p["to"]:
+            target = next((g["name"] for g in rows if p["to"] in (g["name"], str(g["id"]))), p["to"])
+        elif p["profile"]:
+            named = [g["name"] for g in rows if g["name"] != before and g.get("profile") == p["profile"]]
+            target = named[-1] if named else f"(a new {p['profile']} generation, built from the lock)"
+        changed = target != before
+        what = target or "the generation active before the last switch"
+        return {
+            "changed": changed,
+            "active_before": before,
+            "msg": f"would switch {p['ml_env']} to {what}" if changed else "already active",
+            "diff": {"before": _state(p["ml_env"], before), "after": _state(p["ml_env"], what if changed else before)},
+        }
+    args = ["rollback", *_store_args(p), *_source_args(p), "--json"]
+    if p["to"]:
+        args += ["--to", p["to"]]
+    elif p["profile"]:
+        args += ["--profile", p["profile"]]
+    _, result, err = r.run(*args)
+    after = result.get("generation") or result.get("active")
+    return {
+        "changed": bool(result.get("changed")),
+        "result": result,
+        "active_before": before,
+        "msg": f"{p['ml_env']} -> {after}" + (f" ({result['note']})" if result.get("note") else ""),
+        "log": err.strip().splitlines()[-60:],
+        "diff": {"before": _state(p["ml_env"], before), "after": _state(p["ml_env"], after)},
+    }
+
+
+def do_cuda(r: Runner) -> dict:
+    p = r.p
+    prefix = ["--prefix", p["prefix"]] if p["prefix"] else []
+    rc, status, _ = r.run("cuda", "status", *_profile_args(p), *prefix, *_store_args(p), "--json", ok_codes=(0, 1))
+    before = f"{status.get('home')}: CUDA {status.get('version') or 'absent'} ({status.get('managed_by')})\n"
+    if rc == 0 and not status.get("matches") and status.get("managed_by") != "bwstack-pip":
+        r.module.fail_json(
+            msg=f"{status.get('home')} holds CUDA {status.get('version') or 'of unknown version'}, not "
+            f"{status.get('profile_version')}: refusing to touch a toolkit bwstack did not install "
+            "(set bwstack_cuda_prefix elsewhere, or bwstack_cuda_method: none)",
+            result=status,
+            active_before=None,
+        )
+    if r.module.check_mode or rc == 0:
+        after = before if rc == 0 else f"{status.get('home')}: CUDA {status.get('profile_version')} (bwstack-pip)\n"
+        return {
+            "changed": rc != 0,
+            "result": status,
+            "active_before": None,
+            "msg": status.get("note") or "",
+            "diff": {"before": before, "after": after},
+        }
+    _, result, err = r.run("cuda", "install", *_profile_args(p), *prefix, *_store_args(p), *_source_args(p), "--json")
+    return {
+        "changed": bool(result.get("changed")),
+        "result": result,
+        "active_before": None,
+        "msg": result.get("note") or "",
+        "log": err.strip().splitlines()[-60:],
+        "diff": {"before": before, "after": f"{result.get('home')}: CUDA {result.get('version')} ({result.get('managed_by')})\n"},
+    }
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec={
+            "bwstack": {"type": "path", "required": True},
+            "lock": {"type": "path", "required": True},
+            "action": {"type": "str", "required": True, "choices": ["build", "rollback", "cuda"]},
+            "profile": {"type": "str", "default": ""},
+            "to": {"type": "str", "default": ""},
+            "root": {"type": "path", "required": True},
+            "ml_env": {"type": "path", "required": True},
+            "cuda_link": {"type": "str", "required": True},
+            "prefix": {"type": "str", "default": ""},
+            "wheelhouse": {"type": "list", "elements": "str", "default": []},
+            "index": {"type": "list", "elements": "str", "default": []},
+            "offline": {"type": "bool", "default": False},
+            "ca_bundle": {"type": "str", "default": ""},
+            "allow_unhashed": {"type": "list", "elements": "str", "default": []},
+        },
+        supports_check_mode=True,
+    )
+    runner = Runner(module)
+    if not os.access(module.params["bwstack"], os.X_OK):
+        if module.check_mode:
+            module.exit_json(
+                changed=True,
+                active_before=None,
+                msg=f"bwstack is not installed on this node yet ({module.params['bwstack']}): "
+                f"a real run would install it and {module.params['action']} "
+                f"{module.params['profile'] or 'the default profile'}",
+                diff={"before": "(bwstack not installed)\n", "after": f"{module.params['action']} {module.params['profile']}\n"},
+            )
+        module.fail_json(
+            msg=f"bwstack is not installed at {module.params['bwstack']}: run the bwstack_tool role (provision.yml) first",
+            active_before=None,
+        )
+    result = {"build": do_build, "rollback": do_rollback, "cuda": do_cuda}[module.params["action"]](runner)
+    module.exit_json(**result)
+
+
+if __name__ == "__main__":
+    main()

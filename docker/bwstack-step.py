@@ -1,0 +1,227 @@
+"""One build step of docker/Dockerfile, run INSIDE the image build (served by `bwstack image build`).
+
+The Dockerfile runs it as
+    python3.12 -c "import sys,urllib.request as u;exec(u.urlopen(sys.argv[1]+'/step.py').read())" \
+        "$BWSTACK_BUILD_SERVER" STEP ARGS...
+where BWSTACK_BUILD_SERVER is the short-lived HTTP server `bwstack image build` runs on the Docker bridge for
+the length of the build. It serves this file, bwstack itself (tool.tar: bwstack's code, its pure-Python
+dependencies and uv), the lock, and exactly the wheels the rendered requirement files name.
+
+Every step downloads what it needs into a temporary directory, runs the real bwstack command (the same code as
+on a node: `bwstack env install`, `bwstack cuda install`, `bwstack patch apply`), and deletes the directory
+before the RUN ends, so neither bwstack nor a wheel is left in any layer. Hashes are checked by bwstack
+against the rendered requirement file (the server is trusted for nothing but bytes).
+
+Steps:
+    layer REQUIREMENTS             install one rendered layer file into $BWSTACK_ENV (default /opt/ml-env)
+    toolkit KEYFILE                the profile's CUDA toolkit from its PyPI wheels into /toolkit<home>,
+                                   unless the base image already has /usr/local/cuda (then /toolkit is empty)
+    patch ENV "PATCH_ID ..."       `bwstack patch apply` (an empty list: nothing to do)
+
+Standard library only (it runs before anything is installed). Python >= 3.8.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+CHUNK = 1 << 20
+TIMEOUT = 600
+
+
+def log(message: str) -> None:
+    print(f"bwstack-step: {message}", flush=True)
+
+
+def download(url: str, dest: str) -> int:
+    """GET url into dest; the byte count. Retries a few times (the server is local, but the build is long)."""
+    for attempt in range(3):
+        try:
+            with urllib.request.urlopen(url, timeout=TIMEOUT) as response, open(dest, "wb") as out:
+                size = 0
+                while True:
+                    chunk = response.read(CHUNK)
+                    if not chunk:
+                        return size
+                    out.write(chunk)
+                    size += len(chunk)
+        except OSError as exc:
+            if attempt == 2:
+                raise SystemExit(f"bwstack-step: cannot download {url}: {exc}") from None
+            time.sleep(1 + attempt)
+    raise AssertionError("unreachable")
+
+
+def requirement_files(path: str) -> list[tuple[str, str, bool]]:
+    """(name, wheel file name, has a hash) for each `NAME @ URL [--hash=sha256:H]` line of a rendered file."""
+    out = []
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            name, _, rest = line.partition(" @ ")
+            url = rest.split()[0]
+            out.append((name, urllib.parse.unquote(url.rsplit("/", 1)[-1]), "--hash=sha256:" in rest))
+    return out
+
+
+class Step:
+    def __init__(self, server: str) -> None:
+        self.server = server.rstrip("/")
+        self.tmp = tempfile.mkdtemp(prefix="bwstack-step-", dir="/tmp")
+        self.tool = os.path.join(self.tmp, "tool")
+        self.wheelhouse = os.path.join(self.tmp, "wheelhouse")
+        os.makedirs(self.wheelhouse)
+
+    def close(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def fetch_tool(self) -> None:
+        archive = os.path.join(self.tmp, "tool.tar")
+        size = download(f"{self.server}/tool.tar", archive)
+        with tarfile.open(archive) as tar:
+            if sys.version_info >= (3, 12):
+                tar.extractall(self.tool, filter="data")
+            else:
+                tar.extractall(self.tool)
+        os.unlink(archive)
+        with open(os.path.join(self.tool, "BWSTACK_TOOL.json"), encoding="utf-8") as handle:
+            info = json.load(handle)
+        want = os.environ.get("BWSTACK_TOOL_DIGEST")
+        if want and want != info["digest"]:
+            raise SystemExit(
+                f"bwstack-step: the build server's bwstack is {info['digest']}, the build args say {want}: "
+                "two builds on one port? (bwstack image build --build-port)"
+            )
+        log(f"bwstack {info['bwstack_version']} (tool digest {info['digest'][:19]}, {size >> 20} MiB), uv {info['uv_version']}")
+
+    def fetch_wheels(self, files: list[str]) -> None:
+        start = time.monotonic()
+
+        def one(name: str) -> int:
+            return download(f"{self.server}/wheels/{urllib.parse.quote(name)}", os.path.join(self.wheelhouse, name))
+
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            total = sum(pool.map(one, files))
+        log(f"fetched {len(files)} wheels ({total >> 20} MiB) from the build server in {time.monotonic() - start:.1f} s")
+
+    def bwstack(self, *args: str, capture: bool = False) -> str:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = self.tool
+        env["PATH"] = os.path.join(self.tool, "bin") + os.pathsep + env.get("PATH", "/usr/bin:/bin")
+        env["PYTHONDONTWRITEBYTECODE"] = "1"  # for bwstack itself; uv compiles the env's own bytecode
+        env["UV_COMPILE_BYTECODE"] = "1"  # the runtime user cannot write __pycache__ into the root-owned env
+        env.pop("PYTHONHOME", None)
+        log("bwstack " + " ".join(args))
+        result = subprocess.run(
+            [sys.executable, "-m", "bwstack", *args], env=env, check=False, text=True,
+            stdout=subprocess.PIPE if capture else None,
+        )  # fmt: skip
+        if result.returncode != 0:
+            raise SystemExit(f"bwstack-step: bwstack {' '.join(args[:2])} failed (exit {result.returncode})")
+        return result.stdout or ""
+
+
+def step_layer(step: Step, requirements: str) -> None:
+    lines = requirement_files(requirements)
+    if not lines:
+        log(f"{requirements}: no packages in this layer")
+        return
+    env = os.environ.get("BWSTACK_ENV", "/opt/ml-env")
+    allowed = set(os.environ.get("BWSTACK_ALLOW_UNHASHED", "").split())
+    unhashed = {name for name, _, hashed in lines if not hashed}
+    step.fetch_tool()
+    step.fetch_wheels([f for _, f, _ in lines])
+    args = [
+        "env", "install", "--requirements", requirements, "--into", env,
+        "--wheelhouse", step.wheelhouse, "--offline",
+        "--store", os.path.join(step.tmp, "store"), "--uv-cache", os.path.join(step.tmp, "uv-cache"),
+        # Hard links from uv's cache (same filesystem, deleted at the end of this RUN): one write per file.
+        "--link-mode", "hardlink",
+        "--python-version", os.environ.get("BWSTACK_PYTHON", "3.12"),
+    ]  # fmt: skip
+    for name in sorted(allowed & unhashed):
+        args += ["--allow-unhashed", name]
+    step.bwstack(*args)
+
+
+def step_toolkit(step: Step, keyfile: str) -> None:
+    with open(keyfile, encoding="utf-8") as handle:
+        key = json.load(handle)
+    os.makedirs("/toolkit", exist_ok=True)
+    if os.path.lexists("/usr/local/cuda"):
+        nvcc = "/usr/local/cuda/bin/nvcc"
+        version = ""
+        if os.path.exists(nvcc):
+            out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False).stdout
+            version = out.strip().splitlines()[-1] if out.strip() else ""
+        log(f"the base image has a CUDA toolkit at /usr/local/cuda -> {os.path.realpath('/usr/local/cuda')} "
+            f"({version or 'no nvcc'}); not installing one (bwstack verify checks it against the lock)")
+        return
+    home = key["home"]
+    files = [f for _, f, _ in requirement_files(os.path.join(os.path.dirname(keyfile), key["requirements"]))]
+    step.fetch_tool()
+    step.fetch_wheels(files)
+    lock = os.path.join(step.tmp, "stack.lock.yaml")
+    download(f"{step.server}/lock.yaml", lock)
+    prefix = "/toolkit" + home
+    step.bwstack(
+        "--lock", lock, "cuda", "install", "--profile", key["profile"], "--prefix", prefix,
+        "--root", os.path.join(step.tmp, "root"), "--wheelhouse", step.wheelhouse, "--offline",
+    )  # fmt: skip
+    link = "/toolkit/usr/local/cuda"
+    os.symlink(os.path.basename(home), link)
+    log(f"CUDA {key['cuda_version']} from PyPI wheels at {home}; /usr/local/cuda -> {os.path.basename(home)}")
+
+
+def step_patch(step: Step, env: str, patch_ids: list[str]) -> None:
+    if not patch_ids:
+        log("the profile lists no patches")
+        return
+    step.fetch_tool()
+    args = ["patch", "apply", "--env", env, "--json"]
+    for patch_id in patch_ids:
+        args += ["--patch", patch_id]
+    results = json.loads(step.bwstack(*args, capture=True))
+    for result in results:
+        log(f"{result['patch_id']}: {result['action']} ({result['package']} {result['version']})")
+    # bwstack deletes the patched modules' stale bytecode; compile it again (the runtime user cannot).
+    files = [f["path"] for r in results for f in r["files"]]
+    code = (
+        "import py_compile, site, sys, os; sp = site.getsitepackages()[0]; "
+        "[py_compile.compile(os.path.join(sp, f), doraise=True) for f in sys.argv[1:]]"
+    )
+    subprocess.run([os.path.join(env, "bin", "python"), "-c", code, *files], check=True)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 2:
+        raise SystemExit('usage: step.py SERVER (layer FILE | toolkit KEYFILE | patch ENV "ID ...")')
+    server, name, *rest = argv
+    step = Step(server)
+    try:
+        if name == "layer" and len(rest) == 1:
+            step_layer(step, rest[0])
+        elif name == "toolkit" and len(rest) == 1:
+            step_toolkit(step, rest[0])
+        elif name == "patch" and len(rest) == 2:
+            step_patch(step, rest[0], rest[1].split())
+        else:
+            raise SystemExit(f"bwstack-step: unknown step or arguments: {name} {rest}")
+    finally:
+        step.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,178 @@
+"""The CLI skeleton on the real lock: show, render, plan, lock --check."""
+
+from __future__ import annotations
+
+import json
+import pytest
+import yaml
+from conftest import REAL_LOCK, bwstack, needs_py312
+
+from bwstack.lockfile import load_lock
+from bwstack.requirements import parse, render, render_layers
+
+
+def test_show_cu130_json_gives_exactly_the_five_mission_versions():
+    payload = json.loads(bwstack("show", "--profile", "cu130", "--json", check=True).stdout)
+    assert payload["stack"] == {
+        "cuda": "13.0.1",
+        "torch": "2.9.1+cu130",
+        "sgl-kernel": "0.3.21+cu130",
+        "flashinfer": "0.6.4",
+        "sglang": "0.5.9",
+    }
+
+
+def test_show_cu128_json_gives_the_rollback_stack():
+    payload = json.loads(bwstack("show", "--profile", "cu128", "--json", check=True).stdout)
+    assert payload["stack"] == {
+        "cuda": "12.8.1",
+        "torch": "2.9.1",
+        "sgl-kernel": "0.3.21",
+        "flashinfer": "0.6.3",
+        "sglang": "0.5.9",
+    }
+
+
+def test_show_names_what_could_not_be_resolved_or_hashed_here():
+    payload = json.loads(bwstack("show", "--json", check=True).stdout)
+    assert payload["profile"] == "cu130"
+    assert payload["closure"]["not_resolved_here"] == [
+        "flashinfer-jit-cache", "sgl-kernel", "torch", "torchaudio", "torchvision",
+    ]  # fmt: skip
+    assert payload["closure"]["missing_hashes"] == ["flashinfer-jit-cache", "torchaudio"]
+
+
+def test_every_override_carries_its_reason():
+    for override in json.loads(bwstack("show", "--json", check=True).stdout)["overrides"]:
+        assert len(override["reason"]) > 40
+
+
+def test_lock_check_offline_passes_on_the_real_lock():
+    result = bwstack("lock", "--check", "--offline")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "lock OK" in result.stdout
+
+
+def test_lock_check_flags_a_conflict_no_override_explains(tmp_path):
+    doc = yaml.safe_load(REAL_LOCK.read_text())
+    doc["closures"]["cu128"]["env"]["transformers"]["version"] = "4.57.0"
+    doc["closures"]["cu128"]["env"]["transformers"]["wheels"][0]["file"] = "transformers-4.57.0-py3-none-any.whl"
+    path = tmp_path / "stack.lock.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    result = bwstack("--lock", str(path), "lock", "--check", "--offline")
+    assert result.returncode == 1
+    assert "requires transformers==4.57.1 but the closure has transformers 4.57.0" in result.stdout
+
+
+def test_lock_check_flags_a_stale_closure_after_the_spec_changed(tmp_path):
+    doc = yaml.safe_load(REAL_LOCK.read_text())
+    doc["profiles"]["cu128"]["requirements"]["sglang"] = "0.5.10"
+    path = tmp_path / "stack.lock.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    result = bwstack("--lock", str(path), "lock", "--check", "--offline")
+    assert result.returncode == 1
+    assert "the spec changed since the closure was resolved" in result.stdout
+
+
+@pytest.mark.network
+def test_lock_check_online_confirms_every_pypi_hash():
+    result = bwstack("lock", "--check")
+    assert result.returncode == 0, result.stdout[-2000:]
+    confirmed = int(result.stdout.rsplit("pypi hashes confirmed ", 1)[1].split(")")[0])
+    assert confirmed >= 380
+    assert "not verified from this network" in result.stdout  # the +cu130 wheels, said plainly
+
+
+def test_rendered_requirements_pin_every_wheel_by_url_and_hash_and_read_back():
+    lock = load_lock(REAL_LOCK)
+    profile = lock.profile("cu128")
+    text = render(profile, profile.closure.env)
+    lines = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert len(lines) == len(profile.closure.env)
+    assert all(" --hash=sha256:" in line for line in lines)
+
+
+def test_rendered_file_reads_back_to_the_same_wheels(tmp_path):
+    lock = load_lock(REAL_LOCK)
+    profile = lock.profile("cu130")
+    path = tmp_path / "reqs.txt"
+    path.write_text(render(profile, profile.closure.env))
+    back = parse(path)
+    assert back["torch"].wheels[0].sha256 == "e70e1b18881e6b3c1ce402d0a989da39f956a3a057526e03c354df23d704ce9b"
+    assert back["flashinfer-jit-cache"].wheels[0].sha256 is None
+    assert set(back) == set(profile.closure.env)
+
+
+def test_docker_layers_put_every_package_in_exactly_one_layer_slow_changing_first():
+    lock = load_lock(REAL_LOCK)
+    profile = lock.profile("cu128")
+    layers = render_layers(profile, profile.closure.env, lock.image_layers)
+    assert list(layers) == ["cuda-torch", "kernels", "app"]
+    names = [line.split(" @ ")[0] for text in layers.values() for line in text.splitlines() if " @ " in line]
+    assert sorted(names) == sorted(profile.closure.env)
+    assert "torch @" in layers["cuda-torch"] and "sglang @" in layers["app"]
+
+
+@needs_py312
+@pytest.mark.network
+def test_the_rendered_file_installs_with_plain_uv_and_a_wrong_hash_is_refused(tmp_path):
+    """Rendered requirements are a plain requirements file: uv installs it with --require-hashes, and
+    refuses a wheel whose bytes do not match."""
+    from bwstack.envbuild import find_python
+    from bwstack.uvtool import run_uv, uv_env
+
+    profile = load_lock(REAL_LOCK).profile("cu128")
+    text = render(profile, profile.closure.env, ["typing-extensions"])
+    good, bad = tmp_path / "good.txt", tmp_path / "bad.txt"
+    good.write_text(text)
+    sha = text.split("--hash=sha256:")[1][:64]
+    bad.write_text(text.replace(sha, "0" * 64))
+    env = uv_env({"UV_CACHE_DIR": str(tmp_path / "cache")})
+    for name in ("ok", "tampered"):
+        assert run_uv(["venv", "--python", find_python("3.12"), str(tmp_path / name)], env=env, capture=True).returncode == 0
+    args = ["pip", "install", "--require-hashes", "--no-deps", "--python"]
+    ok = run_uv([*args, str(tmp_path / "ok" / "bin" / "python"), "-r", str(good)], env=env, capture=True)
+    assert ok.returncode == 0, ok.stderr
+    refused = run_uv([*args, str(tmp_path / "tampered" / "bin" / "python"), "-r", str(bad)], env=env, capture=True)
+    assert refused.returncode != 0 and "typing-extensions" in refused.stderr.lower().replace("_", "-")
+
+
+@needs_py312
+def test_plan_names_each_difference_between_a_venv_and_the_lock(stack):
+    stack.build("fixture-old", check=True)
+    result = stack.run("plan", "--profile", "fixture-new", "--json", check=True)
+    plan = json.loads(result.stdout)
+    assert plan["changes"] == 2
+    assert {d["name"]: (d["installed"], d["locked"]) for d in plan["wrong_version"]} == {
+        "torch": ("2.9.1", "2.9.1+cu130"),
+        "fixture-dep": ("1.0", "2.0"),
+    }
+    text = stack.run("plan", "--profile", "fixture-new", check=True).stdout
+    assert "version  torch" in text and "2 change(s)" in text
+
+
+@needs_py312
+def test_plan_reports_missing_extra_and_wrong_hash(stack):
+    stack.build("fixture-new", check=True)
+    env = stack.ml_env
+    from bwstack.uvtool import run_uv, uv_env
+
+    run_uv(["pip", "uninstall", "--python", str(env / "bin" / "python"), "fixture-dep"], env=uv_env(), capture=True)
+    extra = next(p for p in (stack.tmp / "extra-wheels").iterdir())
+    result = run_uv(["pip", "install", "--python", str(env / "bin" / "python"), "--no-deps", str(extra)], env=uv_env(), capture=True)
+    assert result.returncode == 0, result.stderr
+    record = stack.root / "current" / "record.json"
+    data = json.loads(record.read_text())
+    data["packages"]["torch"]["sha256"] = "f" * 64  # the wheel this env was built from is not the lock's
+    record.chmod(0o644)
+    record.write_text(json.dumps(data))
+    plan = json.loads(stack.run("plan", "--profile", "fixture-new", "--json", check=True).stdout)
+    assert [d["name"] for d in plan["missing"]] == ["fixture-dep"]
+    assert [d["name"] for d in plan["wrong_hash"]] == ["torch"]
+    assert [(d["name"], d["installed"], d["locked"]) for d in plan["wrong_version"]] == [("fixture-shared", "2.0", "1.0")]
+
+
+def test_cli_help_lists_every_job():
+    out = bwstack("--help", check=True).stdout
+    for command in ("lock", "show", "plan", "build", "rollback", "backup", "restore", "generations", "verify"):
+        assert command in out
