@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -199,7 +200,12 @@ def _build_generation(
         os.symlink(profile.cuda.home, building / "cuda")
         t0 = time.perf_counter()
         expected = {n: p.version for n, p in closure.env.items()}
-        verification, torch = _verify_new_env(profile, env, expected)
+        # Verification imports torch (seconds) while this process seals and hashes the files.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pending = pool.submit(_verify_new_env, profile, env, expected)
+            entries = store.seal_and_hash(building)
+            timings["seal_manifest_s"] = time.perf_counter() - t0
+            verification, torch = pending.result()
         timings["verify_s"] = time.perf_counter() - t0
         if verification["status"] != "passed":
             failed = [c for c in verification["checks"] if not c["ok"]]
@@ -228,9 +234,7 @@ def _build_generation(
             "created": record["created"],
             "packages": record["packages"],
         }
-        t0 = time.perf_counter()
-        gen = store.commit(building, record, manifest_extra)
-        timings["seal_manifest_s"] = time.perf_counter() - t0
+        gen = store.commit(building, record, manifest_extra, entries)
         checkpoint("after-commit")
         return gen
     except BaseException:

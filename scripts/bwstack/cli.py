@@ -466,6 +466,27 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if verify.ok(results) else 1
 
 
+# ------------------------------------------------------------------------------------------------ bench
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import time
+
+    from bwstack import bench
+
+    only = [x.strip().upper() for x in args.only.split(",")] if args.only else None
+    figures = bench.run(args.lock, args.profile, args.work, args.runs, args.quick, only, log=lambda m: print(m, file=sys.stderr))
+    if args.json:
+        _print_json([f.as_dict() for f in figures])
+        return 0
+    header = (
+        f"bwstack bench{' --quick' if args.quick else ''} --profile {args.profile} --runs {args.runs}: "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {bench.machine()}"
+    )
+    print(header + "\n\n" + bench.render(figures))
+    return 0
+
+
 # ------------------------------------------------------------------------------------------------ parser
 
 
@@ -637,6 +658,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("probe-bundle", help="write the probe zipapp (what the playbooks ship to nodes)")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_probe_bundle)
+
+    p = sub.add_parser("bench", help="the performance figures (P1-P6) against their anchors, in one run")
+    p.add_argument("--profile", default="cu128", help="profile to benchmark (default cu128: the one PyPI serves)")
+    p.add_argument("--work", default="/var/tmp/bwstack-bench", help="scratch directory (tens of GB for cu128)")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="a small real closure: checks the harness, not speed")
+    p.add_argument("--only", help="comma list, e.g. P1,P3")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench)
 
     from bwstack import image, playbooks
 

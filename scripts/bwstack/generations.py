@@ -249,13 +249,14 @@ class Store:
         building.mkdir(mode=0o755)
         return building
 
-    def commit(self, building: Path, record: dict, extra_manifest: dict) -> Generation:
-        """Seal, write manifest and record, and give the generation its final name (one rename)."""
+    def seal_and_hash(self, building: Path) -> list[manifest.Entry]:
+        """Seal the env and hash it for the manifest (files shared with uv's cache are hashed once)."""
         env = building / "env"
         seal(env)
         checkpoint("before-manifest")
         dev = os.stat(env).st_dev
-        known: dict = {}
+        cache = manifest.HashCache(self.layout.cache / "file-hashes.json")
+        known: dict = cache.load(dev)
         for gen in self.generations():
             try:
                 if os.stat(gen.env).st_dev == dev:
@@ -263,6 +264,15 @@ class Store:
             except (OSError, IntegrityError):
                 continue
         entries = manifest.build(env, known)
+        cache.add(env, entries)
+        return entries
+
+    def commit(
+        self, building: Path, record: dict, extra_manifest: dict, entries: list[manifest.Entry] | None = None
+    ) -> Generation:
+        """Write manifest and record, and give the generation its final name (one rename)."""
+        if entries is None:
+            entries = self.seal_and_hash(building)
         doc = {"format": 1, "generation": building.name[len(BUILDING_PREFIX) :], **extra_manifest}
         doc["files"] = [e.as_row() for e in entries]
         record = {**record, "size_bytes": manifest.total_size(entries), "files": len(entries)}

@@ -11,6 +11,7 @@ second on a 10 GB env. `full` re-hashes every byte and also catches a writer tha
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import stat
 from collections.abc import Iterator, Mapping
@@ -167,3 +168,40 @@ def known_hashes(entries: list[Entry], dev: int) -> dict[tuple[int, int, int, in
 
 def total_size(entries: list[Entry]) -> int:
     return sum(e.size for e in entries if e.kind == "f")
+
+
+class HashCache:
+    """sha256 of files hard-linked from uv's cache, keyed by inode, size and mtime: a generation built in
+    another store from the same cache is hashed once, not again. A stale entry can only make a manifest
+    fail a full verify, never pass one: `verify` re-hashes what it checks."""
+
+    LIMIT = 400_000
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def load(self, dev: int) -> dict[tuple[int, int, int, int], str]:
+        try:
+            rows = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return {(dev, ino, size, mtime): sha for d, ino, size, mtime, sha in rows if d == dev}
+
+    def add(self, root: Path, entries: list[Entry]) -> None:
+        try:
+            rows = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            rows = []
+        seen = {(r[0], r[1]) for r in rows}
+        for e in entries:
+            if e.kind != "f":
+                continue
+            st = os.lstat(root / e.path)
+            if st.st_nlink > 1 and (st.st_dev, st.st_ino) not in seen:
+                rows.append([st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, e.sha256])
+                seen.add((st.st_dev, st.st_ino))
+        rows = rows[-self.LIMIT :]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(rows, separators=(",", ":")))
+        os.replace(tmp, self.path)

@@ -28,6 +28,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--stack-capability", default=None, help="target GPU capability (default: the profile's)")
     group.addoption("--stack-facts-dir", default=None, help="write each host's probe facts here as JSON")
     group.addoption("--stack-no-runtime", action="store_true", help="skip the GPU runtime probes")
+    group.addoption("--stack-no-imports", action="store_true", help="skip the import checks (static checks only)")
     group.addoption(
         "--stack-skip", action="append", default=[], metavar="CHECK=REASON",
         help="skip checks whose name contains CHECK, showing REASON (the operator's waiver; listed as SKIP)",
@@ -71,6 +72,8 @@ def collect(host, config: pytest.Config, capability: str) -> dict:
         args += ["--env", env]
     if config.getoption("--stack-no-runtime"):
         args.append("--no-runtime")
+    if config.getoption("--stack-no-imports"):
+        args.append("--no-imports")
     python_cmd = (
         f"p={shlex.quote(env or '')}/bin/python; "
         "if [ -n \"$p\" ] && [ -x \"$p\" ]; then echo $p; else command -v python3; fi"

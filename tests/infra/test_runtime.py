@@ -31,14 +31,14 @@ def test_matmul_is_correct_on_every_gpu(runtime):
 
 
 def test_sgl_kernel_op_runs(runtime, facts):
-    if not facts["imports"].get("sgl_kernel", {}).get("installed"):
+    if not facts["env"]["installed"].get("sgl-kernel"):
         pytest.skip("sgl_kernel is not installed (see the version checks)")
     result = runtime["sgl_kernel_rmsnorm"]
     assert result["ok"], f"sgl_kernel.rmsnorm on cuda:0: {result.get('error') or result}"
 
 
 def test_flashinfer_op_runs(runtime, facts):
-    if not facts["imports"].get("flashinfer", {}).get("installed"):
+    if not facts["env"]["installed"].get("flashinfer-python"):
         pytest.skip("flashinfer is not installed (see the version checks)")
     result = runtime["flashinfer_rmsnorm"]
     assert result["ok"], f"flashinfer.norm.rmsnorm on cuda:0: {result.get('error') or result}"
