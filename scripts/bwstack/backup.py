@@ -210,9 +210,7 @@ def backup(store: Store, lock: Lock, *, depth: str = "quick", log=print) -> dict
             "seconds": time.perf_counter() - started,
             "note": "the active generation is unchanged since it was sealed; it is its own backup",
         }
-    log(
-        f"{active.name} changed since it was sealed ({len(problems)} paths, e.g. {problems[0]}); snapshotting"
-    )
+    log(f"{active.name} changed since it was sealed ({len(problems)} paths, e.g. {problems[0]}); snapshotting")
     gen_id = store.next_id()
     source_entries = {e.path: e for e in active.manifest_entries()}
     building = store.begin(f"{gen_id:04d}-snapshot")
@@ -324,15 +322,11 @@ def _safe_member(member: tarfile.TarInfo) -> None:
         or ".." in Path(name).parts
         or not (name == ARCHIVE_TOP or name.startswith(ARCHIVE_TOP + "/"))
     ):
-        raise IntegrityError(
-            f"archive member {name!r} would land outside the generation; refusing the archive"
-        )
+        raise IntegrityError(f"archive member {name!r} would land outside the generation; refusing the archive")
     if not (member.isfile() or member.isdir() or member.issym() or member.islnk()):
         raise IntegrityError(f"archive member {name!r} is a device or fifo; refusing the archive")
     if member.islnk() and (member.linkname.startswith("/") or ".." in Path(member.linkname).parts):
-        raise IntegrityError(
-            f"archive hard link {name!r} points outside the generation; refusing the archive"
-        )
+        raise IntegrityError(f"archive hard link {name!r} points outside the generation; refusing the archive")
 
 
 def restore(store: Store, path: Path, *, switch: bool = True, log=print) -> dict:
@@ -346,9 +340,7 @@ def restore(store: Store, path: Path, *, switch: bool = True, log=print) -> dict
         want = sidecar.read_text().split()[0]
         got = manifest.hash_file(path)
         if got != want:
-            raise IntegrityError(
-                f"{path}: sha256 {got} does not match {sidecar.name} ({want}); refusing to restore"
-            )
+            raise IntegrityError(f"{path}: sha256 {got} does not match {sidecar.name} ({want}); refusing to restore")
     else:
         log(f"warning: no {sidecar.name} beside the archive; relying on the manifest inside it")
     store.prepare()
@@ -393,9 +385,7 @@ def restore(store: Store, path: Path, *, switch: bool = True, log=print) -> dict
     doc["files"] = [e.as_row() for e in entries]
     original = record.get("id")
     name = generation_name(gen_id, record.get("profile"), doc.get("generation", "")[-12:] or "restored")
-    record.update(
-        {"id": gen_id, "origin": f"restored:{path} (was generation {original})", "restored": now_iso()}
-    )
+    record.update({"id": gen_id, "origin": f"restored:{path} (was generation {original})", "restored": now_iso()})
     doc["generation"] = name
     (building / MANIFEST).write_text(json.dumps(doc, separators=(",", ":")))
     (building / RECORD).write_text(json.dumps(record, indent=2))

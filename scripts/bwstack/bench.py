@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+from packaging.requirements import Requirement
 
 from bwstack import backup, build, envinspect, verify
 from bwstack.envbuild import find_python
@@ -78,11 +79,15 @@ def _fmt(values: list[float], unit: str) -> str:
     if unit == "GiB":
         return f"{statistics.median(values):.3f} GiB"
     med = statistics.median(values)
-    return f"{med:.3f}s [{min(values):.3f}-{max(values):.3f}]" if med < 10 else f"{med:.1f}s [{min(values):.1f}-{max(values):.1f}]"
+    return (
+        f"{med:.3f}s [{min(values):.3f}-{max(values):.3f}]"
+        if med < 10
+        else f"{med:.1f}s [{min(values):.1f}-{max(values):.1f}]"
+    )
 
 
 def render(figures: list[Figure]) -> str:
-    header = f"| bench | measured | bwstack median [min-max] | anchor | anchor median [min-max] | ratio | goal |"
+    header = "| bench | measured | bwstack median [min-max] | anchor | anchor median [min-max] | ratio | goal |"
     lines = [header, "|---|---|---|---|---|---|---|"]
     for f in figures:
         ratio = f"{f.ratio:.1f}x" if f.ratio is not None else "-"
@@ -91,7 +96,7 @@ def render(figures: list[Figure]) -> str:
             f"{ratio} | {f.goal or '-'} |"
         )
     notes = [f"- {f.bench} {f.what}: {f.note}" for f in figures if f.note]
-    return "\n".join(lines + ([""] + notes if notes else []))
+    return "\n".join(lines + (["", *notes] if notes else []))
 
 
 class Bench:
@@ -123,8 +128,7 @@ class Bench:
                 name = stack.pop()
                 if name in env and name not in keep:
                     keep.add(name)
-                    stack += [r.split(";")[0].split("[")[0].split("=")[0].split("<")[0].split(">")[0].split("!")[0].split("~")[0].strip()
-                              for r in env[name]["requires"]]  # fmt: skip
+                    stack += [Requirement(r).name for r in env[name]["requires"]]
             closure["env"] = {k: v for k, v in env.items() if k in keep}
             spec["requirements"] = {k: env[k]["version"] for k in QUICK_ROOTS}
             spec["overrides"] = []
@@ -157,7 +161,9 @@ class Bench:
             if not link.exists():
                 link.symlink_to(w.path)
         self.requirements = self.work / "requirements.txt"
-        self.requirements.write_text("".join(f"{w.package}=={w.version} --hash=sha256:{w.sha256}\n" for w in wheels.values()))
+        self.requirements.write_text(
+            "".join(f"{w.package}=={w.version} --hash=sha256:{w.sha256}\n" for w in wheels.values())
+        )
         return house
 
     # ---------------------------------------------------------------------------------------------- anchors
@@ -191,20 +197,24 @@ class Bench:
     def p1(self) -> list[Figure]:
         house = self.wheelhouse()
         self.log("P1: warming the cache with one build ...")
-        build.build(self.lock, self.profile, self.layout("warm"), build.BuildOptions(switch=False), log=lambda m: None)
+        quiet = build.BuildOptions(switch=False)
+        build.build(self.lock, self.profile, self.layout("warm"), quiet, log=lambda m: None)
         ours = []
         for i in range(self.runs):
             layout = self.layout(f"p1-{i}")
-            ours.append(_timed(lambda: build.build(self.lock, self.profile, layout, build.BuildOptions(switch=False), log=lambda m: None)))
+            started = time.perf_counter()
+            build.build(self.lock, self.profile, layout, quiet, log=lambda m: None)
+            ours.append(time.perf_counter() - started)
             remove_tree(layout.root.parent)
         self.log(f"P1: bwstack {ours}; pip from the wheelhouse ...")
         pip = [self.pip_install(house) for _ in range(self.runs)]
         uv = [self.uv_install() for _ in range(self.runs)]
+        anchor = "pip install (local wheelhouse)"
         return [
-            Figure("P1", "build env (warm cache), incl. verify + manifest", ours, anchor="pip install (local wheelhouse)",
-                   anchor_runs=pip, goal=">= 20x faster than pip"),
-            Figure("P1", "uv install step alone (what bwstack runs)", uv, anchor="pip install (local wheelhouse)",
-                   anchor_runs=pip, note="the floor: uv hard-links from its cache"),
+            Figure("P1", "build env (warm cache), incl. verify + manifest", ours, anchor=anchor, anchor_runs=pip,
+                   goal=">= 20x faster than pip"),
+            Figure("P1", "uv install step alone (what bwstack runs)", uv, anchor=anchor, anchor_runs=pip,
+                   note="the floor: uv hard-links from its cache"),
         ]  # fmt: skip
 
     def _two_generations(self) -> Store:
@@ -226,11 +236,13 @@ class Bench:
                 totals.append(time.perf_counter() - started)
                 flips.append(result["switch"]["flip_s"])
                 post.append(result["switch"]["post_check"]["seconds"])
+        anchor = "reinstall (pip, wheelhouse)"
+        note = f"of which the post-switch import of torch: median {statistics.median(post):.2f}s"
         return [
-            Figure("P2", "switch (the atomic flip)", flips, anchor="reinstall (pip, wheelhouse)", anchor_runs=pip_runs,
+            Figure("P2", "switch (the atomic flip)", flips, anchor=anchor, anchor_runs=pip_runs,
                    goal="<= 1 s, >= 100x"),
-            Figure("P2", "rollback command (verify + flip + import check)", totals, anchor="reinstall (pip, wheelhouse)",
-                   anchor_runs=pip_runs, note=f"of which the post-switch import of torch: median {statistics.median(post):.2f}s"),
+            Figure("P2", "rollback command (verify + flip + import check)", totals, anchor=anchor, anchor_runs=pip_runs,
+                   note=note),
         ]  # fmt: skip
 
     def p3(self) -> list[Figure]:
@@ -238,28 +250,33 @@ class Bench:
         layout = store.layout
         env_bytes = sum(e.size for e in store.active().manifest_entries() if e.kind == "f")
         unchanged, unchanged_disk, drift, drift_disk, cp_time, cp_disk = [], [], [], [], [], []
+        quiet = {"log": lambda m: None}
         for _ in range(self.runs):
             before = _inodes(layout.generations)
-            unchanged.append(_timed(lambda: backup.backup(store, self.lock, log=lambda m: None)))
+            unchanged.append(_timed(lambda: backup.backup(store, self.lock, **quiet)))
             unchanged_disk.append(_extra(layout.generations, before) / 2**30)
-            active = store.active()
-            site = envinspect.site_packages(active.env)
+            site = envinspect.site_packages(store.active().env)
             (site / "bench_drift.py").write_text("X = 1\n")  # what a `pip install` into the env leaves behind
             before = _inodes(layout.generations)
-            drift.append(_timed(lambda: backup.backup(store, self.lock, log=lambda m: None)))
+            drift.append(_timed(lambda: backup.backup(store, self.lock, **quiet)))
             drift_disk.append(_extra(layout.generations, before) / 2**30)
-            dest = self.work / "cp-a"
-            cp_time.append(_timed(lambda: subprocess.run(["cp", "-a", str(store.active().env), str(dest)], check=True)))
+            source, dest = str(store.active().env), self.work / "cp-a"
+            started = time.perf_counter()
+            subprocess.run(["cp", "-a", source, str(dest)], check=True)
+            cp_time.append(time.perf_counter() - started)
             cp_disk.append(_du(dest) / 2**30)
             shutil.rmtree(dest)
         size = f"env {env_bytes / 2**30:.1f} GiB"
         return [
-            Figure("P3", "snapshot, unchanged generation", unchanged, anchor="cp -a", anchor_runs=cp_time, goal="<= 5 s"),
-            Figure("P3", "extra disk, unchanged generation", unchanged_disk, unit="GiB", anchor="cp -a", anchor_runs=cp_disk,
-                   goal="<= 1 % extra", note=size),
-            Figure("P3", "snapshot after a pip install into it", drift, anchor="cp -a", anchor_runs=cp_time, goal="<= 5 s"),
-            Figure("P3", "extra disk after a pip install into it", drift_disk, unit="GiB", anchor="cp -a", anchor_runs=cp_disk,
-                   goal="<= 1 % extra", note=f"{size}; hard links: directories and changed files only"),
+            Figure("P3", "snapshot, unchanged generation", unchanged, anchor="cp -a", anchor_runs=cp_time,
+                   goal="<= 5 s"),
+            Figure("P3", "extra disk, unchanged generation", unchanged_disk, unit="GiB", anchor="cp -a",
+                   anchor_runs=cp_disk, goal="<= 1 % extra", note=size),
+            Figure("P3", "snapshot after a pip install into it", drift, anchor="cp -a", anchor_runs=cp_time,
+                   goal="<= 5 s"),
+            Figure("P3", "extra disk after a pip install into it", drift_disk, unit="GiB", anchor="cp -a",
+                   anchor_runs=cp_disk, goal="<= 1 % extra",
+                   note=f"{size}; hard links: directories and changed files only"),
         ]  # fmt: skip
 
     def p4(self) -> list[Figure]:
@@ -268,7 +285,9 @@ class Bench:
 
             timer = playbooks.bench_converged_rerun
         except (ImportError, AttributeError):
-            return [Figure("P4", "converged provision re-run", [], note="not run: the playbook driver has no bench hook")]
+            return [
+                Figure("P4", "converged provision re-run", [], note="not run: the playbook driver has no bench hook")
+            ]
         runs, note = timer(self.lock_path, "bench", self.work / "p4", self.runs)
         return [Figure("P4", "converged provision re-run (changed=0)", runs, goal="<= 30 s", note=note)]
 
@@ -296,7 +315,16 @@ class Bench:
             ours, clean, note = timer(self.lock_path, "bench", self.work / "p6", self.runs)
         except Exception as exc:  # no Docker daemon, no base image: say so in the table
             return [Figure("P6", "image rebuild after an sglang bump", [], note=f"not run: {exc}")]
-        return [Figure("P6", "image rebuild after an sglang-only bump", ours, anchor="clean build", anchor_runs=clean, note=note)]
+        return [
+            Figure(
+                "P6",
+                "image rebuild after an sglang-only bump",
+                ours,
+                anchor="clean build",
+                anchor_runs=clean,
+                note=note,
+            )
+        ]
 
 
 def _inodes(path: Path) -> set[tuple[int, int]]:
@@ -334,7 +362,13 @@ def run(lock: str, profile: str, work: str, runs: int, quick: bool, only: list[s
         pip_runs = p1[0].anchor_runs
         if "P1" in wanted:
             figures += p1
-    for key, fn in (("P2", lambda: bench.p2(pip_runs)), ("P3", bench.p3), ("P4", bench.p4), ("P5", bench.p5), ("P6", bench.p6)):
+    for key, fn in (
+        ("P2", lambda: bench.p2(pip_runs)),
+        ("P3", bench.p3),
+        ("P4", bench.p4),
+        ("P5", bench.p5),
+        ("P6", bench.p6),
+    ):
         if key in wanted:
             log(f"{key} ...")
             figures += fn()
@@ -344,4 +378,6 @@ def run(lock: str, profile: str, work: str, runs: int, quick: bool, only: list[s
 def machine() -> str:
     cpus = os.cpu_count()
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{cpus} cores, {mem:.0f} GiB RAM, Python {sys.version.split()[0]}, {os.uname().sysname} {os.uname().release}"
+    return (
+        f"{cpus} cores, {mem:.0f} GiB RAM, Python {sys.version.split()[0]}, {os.uname().sysname} {os.uname().release}"
+    )

@@ -62,9 +62,9 @@ def closure_digest(profile: Profile) -> str:
 def find_built(store: Store, profile: Profile, digest: str) -> Generation | None:
     """The newest verified generation built from exactly this closure whose files still verify."""
     for gen in reversed(store.generations()):
-        if gen.profile == profile.name and gen.record.get("closure_digest") == digest and gen.verified:
-            if not gen.verify("quick"):
-                return gen
+        same = gen.profile == profile.name and gen.record.get("closure_digest") == digest
+        if same and gen.verified and not gen.verify("quick"):
+            return gen
     return None
 
 
@@ -78,9 +78,7 @@ def plan_build(lock: Lock, profile: Profile, layout: Layout) -> dict:
     if layout.ml_env.is_dir() and not layout.ml_env.is_symlink():
         actions.append(f"adopt {layout.ml_env} as a generation (no copy)")
     if built is None:
-        actions.append(
-            f"build a {profile.name} generation ({len(profile.require_closure(lock.path).env)} packages)"
-        )
+        actions.append(f"build a {profile.name} generation ({len(profile.require_closure(lock.path).env)} packages)")
     if active is None or built is None or active.name != built.name:
         actions.append(f"switch {layout.ml_env} to the {profile.name} generation")
     return {
@@ -287,9 +285,7 @@ def _rollback_target(store: Store, active: Generation | None, to: str | None, pr
         return store.get(to)
     gens = [g for g in store.generations() if active is None or g.name != active.name]
     if profile_name is not None:
-        matching = [
-            g for g in gens if g.profile == profile_name or g.record.get("nearest_profile") == profile_name
-        ]
+        matching = [g for g in gens if g.profile == profile_name or g.record.get("nearest_profile") == profile_name]
         return matching[-1] if matching else None
     for entry in reversed(store.history()):
         if entry.get("from") and (active is None or entry["from"] != active.name):
@@ -300,11 +296,7 @@ def _rollback_target(store: Store, active: Generation | None, to: str | None, pr
 
 
 def ensure_ml_env_free(layout: Layout) -> None:
-    if (
-        layout.ml_env.exists()
-        and not layout.ml_env.is_symlink()
-        and not (layout.ml_env / "pyvenv.cfg").exists()
-    ):
+    if layout.ml_env.exists() and not layout.ml_env.is_symlink() and not (layout.ml_env / "pyvenv.cfg").exists():
         raise UsageError(f"{layout.ml_env} exists and is not a Python env; choose another --ml-env")
 
 

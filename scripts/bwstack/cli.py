@@ -153,9 +153,7 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     layout = _layout(args)
     _apply_ca(args)
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
-    result = build.rollback(
-        lock, layout, to=args.to, profile_name=args.profile, opts=_build_options(args), log=log
-    )
+    result = build.rollback(lock, layout, to=args.to, profile_name=args.profile, opts=_build_options(args), log=log)
     _report(
         args,
         result,
@@ -184,7 +182,8 @@ def cmd_backup(args: argparse.Namespace) -> int:
             result["archive"] = backup.write_archive(gen, Path(args.archive))
     text = f"{result['action']}: {result.get('generation')}"
     if args.archive:
-        text += f"; archive {result['archive']['archive']} ({result['archive']['bytes'] >> 20} MiB, sha256 {result['archive']['sha256'][:16]}...)"
+        archive = result["archive"]
+        text += f"; archive {archive['archive']} ({archive['bytes'] >> 20} MiB, sha256 {archive['sha256'][:16]}...)"
     _report(args, result, text)
     return 0
 
@@ -245,7 +244,8 @@ def cmd_generations(args: argparse.Namespace) -> int:
         return 0
     for r in rows:
         size = f"{(r['size_bytes'] or 0) / (1 << 30):.1f} GiB"
-        line = f"{'*' if r['active'] else ' '} {r['id']:>4}  {r['name']:<36} {r['profile']:<28} {r['created']}  {size:>9}  {r['verified']}"
+        mark = "*" if r["active"] else " "
+        line = f"{mark} {r['id']:>4}  {r['name']:<36} {r['profile']:<28} {r['created']}  {size:>9}  {r['verified']}"
         if "integrity" in r:
             line += f"  integrity: {r['integrity']}"
         print(line)
@@ -325,15 +325,11 @@ def cmd_env_install(args: argparse.Namespace) -> int:
     packages = requirements.parse(Path(args.requirements))
     target = Target(python=args.python_version, glibc_minor=args.glibc)
     store = Path(args.store) if args.store else env.parent / ".bwstack-wheels"
-    fetcher = Fetcher(
-        store, Sources.parse(args.wheelhouse or (), (), args.offline), args.allow_unhashed or ()
-    )
+    fetcher = Fetcher(store, Sources.parse(args.wheelhouse or (), (), args.offline), args.allow_unhashed or ())
     wheels = fetcher.fetch_all(select(packages, target))
     if not (env / "bin" / "python").exists():
         envbuild.create_venv(env, envbuild.find_python(args.python_version, args.python))
-    envbuild.install(
-        env, wheels, link_mode=args.link_mode, cache_dir=Path(args.uv_cache) if args.uv_cache else None
-    )
+    envbuild.install(env, wheels, link_mode=args.link_mode, cache_dir=Path(args.uv_cache) if args.uv_cache else None)
     print(f"installed {len(wheels)} packages into {env}")
     return 0
 
@@ -355,15 +351,11 @@ def cmd_cuda(args: argparse.Namespace) -> int:
         return 0 if st.exists else 1
     _apply_ca(args)
     layout = _layout(args)
-    fetcher = Fetcher(
-        layout.wheel_store, Sources.parse(args.wheelhouse or (), args.index or (), args.offline)
-    )
+    fetcher = Fetcher(layout.wheel_store, Sources.parse(args.wheelhouse or (), args.index or (), args.offline))
     before = cudatk.status(home)
     st = cudatk.install_pip(profile, fetcher, home)
     payload = st.as_dict() | {"changed": not before.exists}
-    _report(
-        args, payload, f"{home}: CUDA {st.version} ({'installed' if not before.exists else 'already there'})"
-    )
+    _report(args, payload, f"{home}: CUDA {st.version} ({'installed' if not before.exists else 'already there'})")
     return 0
 
 
@@ -388,7 +380,9 @@ def cmd_patch(args: argparse.Namespace) -> int:
     if args.action == "status":
         states = patches.status(site, ids)
         payload = [s.as_dict() for s in states]
-        text = "\n".join(f"{s.patch_id}: {s.state} ({s.package} {s.version or 'not installed'}) {s.reason}".rstrip() for s in states)
+        text = "\n".join(
+            f"{s.patch_id}: {s.state} ({s.package} {s.version or 'not installed'}) {s.reason}".rstrip() for s in states
+        )
         _report(args, payload, text)
         return 0
     results = patches.apply(site, ids) if args.action == "apply" else patches.revert(site, ids)
@@ -475,7 +469,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from bwstack import bench
 
     only = [x.strip().upper() for x in args.only.split(",")] if args.only else None
-    figures = bench.run(args.lock, args.profile, args.work, args.runs, args.quick, only, log=lambda m: print(m, file=sys.stderr))
+    figures = bench.run(
+        args.lock, args.profile, args.work, args.runs, args.quick, only, log=lambda m: print(m, file=sys.stderr)
+    )
     if args.json:
         _print_json([f.as_dict() for f in figures])
         return 0
@@ -496,9 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Provision, snapshot, roll back and verify the pinned SM120 LLM-serving stack.",
     )
     parser.add_argument("--version", action="version", version=f"bwstack {__version__}")
-    parser.add_argument(
-        "--lock", default=str(default_lock_path()), help="the stack lock (default: %(default)s)"
-    )
+    parser.add_argument("--lock", default=str(default_lock_path()), help="the stack lock (default: %(default)s)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("lock", help="resolve every profile's closure with hashes, or --check the lock")
@@ -513,22 +507,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_show)
 
-    p = sub.add_parser(
-        "plan", help="what provisioning would change in an env (missing, extra, version, hash)"
-    )
+    p = sub.add_parser("plan", help="what provisioning would change in an env (missing, extra, version, hash)")
     p.add_argument("--profile")
     p.add_argument("--env", help="the env to compare (default: the active ml-env)")
-    p.add_argument(
-        "--root", help="bwstack's store (default: /opt/bwstack as root, else ~/.local/share/bwstack)"
-    )
+    p.add_argument("--root", help="bwstack's store (default: /opt/bwstack as root, else ~/.local/share/bwstack)")
     p.add_argument("--ml-env")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
 
     node = argparse.ArgumentParser(add_help=False)
-    node.add_argument(
-        "--root", help="bwstack's store (default: /opt/bwstack as root, else ~/.local/share/bwstack)"
-    )
+    node.add_argument("--root", help="bwstack's store (default: /opt/bwstack as root, else ~/.local/share/bwstack)")
     node.add_argument("--ml-env", help="the env path users run (default: /opt/ml-env as root, else ~/ml-env)")
     node.add_argument(
         "--cuda-link",
@@ -541,9 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
 
     sources = argparse.ArgumentParser(add_help=False)
-    sources.add_argument(
-        "--wheelhouse", action="append", help="directory of wheels to use first (repeatable)"
-    )
+    sources.add_argument("--wheelhouse", action="append", help="directory of wheels to use first (repeatable)")
     sources.add_argument("--index", action="append", help="NAME=URL: a mirror for one of the lock's indexes")
     sources.add_argument("--offline", action="store_true", help="use only the store and --wheelhouse")
     sources.add_argument("--ca-bundle", help="CA bundle for TLS (always verified)")
@@ -553,9 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     sources.add_argument("--python", help="interpreter for new envs (default: pythonX.Y of the profile)")
 
-    p = sub.add_parser(
-        "build", parents=[node, sources], help="back up, build the profile's generation, switch"
-    )
+    p = sub.add_parser("build", parents=[node, sources], help="back up, build the profile's generation, switch")
     p.add_argument("--profile")
     p.add_argument("--no-switch", action="store_true", help="build and commit, but leave the active env")
     p.add_argument("--check", action="store_true", help="say what would change; change nothing")
@@ -564,12 +548,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rollback", parents=[node, sources], help="switch back to a verified generation")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--to", help="generation id or name")
-    group.add_argument(
-        "--profile", help="the newest generation of this profile (built from the lock if none)"
-    )
-    p.add_argument(
-        "--target", help="run on remote hosts through the rollback playbook (local://, ssh://, ansible://)"
-    )
+    group.add_argument("--profile", help="the newest generation of this profile (built from the lock if none)")
+    p.add_argument("--target", help="run on remote hosts through the rollback playbook (local://, ssh://, ansible://)")
     p.set_defaults(func=cmd_rollback)
 
     p = sub.add_parser("backup", parents=[node], help="capture the active env as a verified generation")
@@ -588,15 +568,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="also verify each against its manifest")
     p.set_defaults(func=cmd_generations)
 
-    p = sub.add_parser(
-        "prune", parents=[node], help="remove old generations (never the active or last verified)"
-    )
+    p = sub.add_parser("prune", parents=[node], help="remove old generations (never the active or last verified)")
     p.add_argument("--keep", type=int, required=True)
     p.set_defaults(func=cmd_prune)
 
-    p = sub.add_parser(
-        "fetch", parents=[sources], help="download a profile's wheels (hash-checked) into a directory"
-    )
+    p = sub.add_parser("fetch", parents=[sources], help="download a profile's wheels (hash-checked) into a directory")
     p.add_argument("--profile")
     p.add_argument("--dest", required=True)
     p.add_argument("--part", choices=["env", "cuda-toolkit", "all"], default="env")
@@ -611,9 +587,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     env_p = sub.add_parser("env", help="low-level env operations")
     env_sub = env_p.add_subparsers(dest="env_command", required=True)
-    p = env_sub.add_parser(
-        "install", parents=[sources], help="install a rendered requirement file into an env"
-    )
+    p = env_sub.add_parser("install", parents=[sources], help="install a rendered requirement file into an env")
     p.add_argument("--requirements", required=True)
     p.add_argument("--into", required=True)
     p.add_argument("--python-version", default="3.12")
@@ -623,9 +597,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--link-mode", default="copy", choices=["copy", "hardlink"])
     p.set_defaults(func=cmd_env_install)
 
-    p = sub.add_parser(
-        "cuda", parents=[node, sources], help="the profile's CUDA toolkit: status, or install (pip)"
-    )
+    p = sub.add_parser("cuda", parents=[node, sources], help="the profile's CUDA toolkit: status, or install (pip)")
     p.add_argument("action", choices=["status", "install"])
     p.add_argument("--profile")
     p.add_argument("--prefix", help="install prefix (default: the profile's cuda.home)")
@@ -674,15 +646,23 @@ def build_parser() -> argparse.ArgumentParser:
     image.register(sub)
 
     p = sub.add_parser("verify", help="run the node checks (ABI, CUDA, SM120 kernels, features, GPU) on hosts")
-    p.add_argument("--target", default="local://", help="testinfra host spec(s): local://, docker://NAME, "
-                   "ssh://[user@]HOST, ansible://GROUP?ansible_inventory=FILE (default: local://)")
+    p.add_argument(
+        "--target",
+        default="local://",
+        help="testinfra host spec(s): local://, docker://NAME, "
+        "ssh://[user@]HOST, ansible://GROUP?ansible_inventory=FILE (default: local://)",
+    )
     p.add_argument("--profile", help="profile to check against (default: the env's own)")
     p.add_argument("--env", help="env path on the targets (default: their ml-env)")
     p.add_argument("--capability", help="target GPU capability (default: the profile's)")
     p.add_argument("--no-runtime", action="store_true", help="skip the GPU runtime probes")
     p.add_argument("--facts-dir", help="also write each host's probe facts as JSON here")
-    p.add_argument("--skip", action="append", metavar="CHECK=REASON",
-                   help="waive checks whose name contains CHECK, with the reason shown in the report")
+    p.add_argument(
+        "--skip",
+        action="append",
+        metavar="CHECK=REASON",
+        help="waive checks whose name contains CHECK, with the reason shown in the report",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_verify)
 

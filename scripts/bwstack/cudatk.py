@@ -100,9 +100,7 @@ def install_pip(profile: Profile, fetcher: Fetcher, home: Path | None = None, lo
         site = building / "site"
         links = link_dir(wheels, building / "wheels")
         reqs = building / "requirements.txt"
-        reqs.write_text(
-            "".join(f"{w.package}=={w.version} --hash=sha256:{w.sha256}\n" for w in wheels.values())
-        )
+        reqs.write_text("".join(f"{w.package}=={w.version} --hash=sha256:{w.sha256}\n" for w in wheels.values()))
         result = run_uv(
             [
                 "pip",
@@ -124,7 +122,7 @@ def install_pip(profile: Profile, fetcher: Fetcher, home: Path | None = None, lo
                 f"x86_64-manylinux_2_{Target.of(profile).glibc_minor}",
                 "-r",
                 str(reqs),
-            ],  # fmt: skip
+            ],
             env=uv_env(),
             capture=True,
         )

@@ -241,9 +241,7 @@ def demangle(names: Sequence[str]) -> list[str]:
     if not names or tool is None:
         return list(names)
     try:
-        proc = subprocess.run(
-            [tool], input="\n".join(names) + "\n", capture_output=True, text=True, timeout=60
-        )
+        proc = subprocess.run([tool], input="\n".join(names) + "\n", capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError):
         return list(names)
     lines = proc.stdout.splitlines()
@@ -319,9 +317,7 @@ def _compatible(candidate: str, ident: bytes) -> bool:
         return False
 
 
-def _locate(
-    name: str, requester: DynamicInfo, chain: Sequence[DynamicInfo], search_dirs: Sequence[str]
-) -> str | None:
+def _locate(name: str, requester: DynamicInfo, chain: Sequence[DynamicInfo], search_dirs: Sequence[str]) -> str | None:
     """Where the loader finds DT_NEEDED ``name`` of ``requester`` (loaded by ``chain``, nearest first)."""
     if "/" in name:
         return os.path.abspath(name) if os.path.isfile(name) else None
@@ -358,9 +354,7 @@ def resolve_needed(
     return found
 
 
-def load_closure(
-    paths: Iterable[str | os.PathLike[str]], search_dirs: Sequence[str] = ()
-) -> dict[str, str | None]:
+def load_closure(paths: Iterable[str | os.PathLike[str]], search_dirs: Sequence[str] = ()) -> dict[str, str | None]:
     """Everything loading ``paths`` (in order) pulls in, breadth-first like ld.so: ``{name: file or None}``.
 
     Keys are the DT_NEEDED names and the sonames of the loaded objects (the loader matches both); a name
@@ -390,9 +384,7 @@ def load_closure(
     return loaded
 
 
-def torch_loaded(
-    torch_lib_dir: str | os.PathLike[str], search_dirs: Sequence[str] = ()
-) -> dict[str, str | None]:
+def torch_loaded(torch_lib_dir: str | os.PathLike[str], search_dirs: Sequence[str] = ()) -> dict[str, str | None]:
     """What ``import torch`` has loaded before an extension: the closure of libtorch_global_deps.so and
     libtorch_python.so (which pulls in libtorch, libc10, the CUDA libs through torch's RPATH)."""
     lib = Path(torch_lib_dir)

@@ -12,6 +12,7 @@ from bwstack.errors import BwstackError, UsageError
 from bwstack.uvtool import run_uv, uv_env
 from bwstack.wheelhouse import LocalWheel
 
+
 def find_python(version: str, explicit: str | None = None) -> str:
     """An interpreter for `version` (e.g. "3.12"): the one given, else python3.X on PATH or usual places."""
     if explicit:
@@ -30,9 +31,7 @@ def find_python(version: str, explicit: str | None = None) -> str:
 def create_venv(dest: Path, python: str, *, env: Mapping[str, str] | None = None) -> None:
     """A relocatable venv: its scripts find their interpreter relative to themselves, so the env can be
     built under a temporary name and renamed into place."""
-    result = run_uv(
-        ["venv", "--relocatable", "--python", python, str(dest)], env=env or uv_env(), capture=True
-    )
+    result = run_uv(["venv", "--relocatable", "--python", python, str(dest)], env=env or uv_env(), capture=True)
     if result.returncode != 0:
         raise BwstackError(f"uv venv failed for {dest}: {result.stderr.strip()[-800:]}")
 
@@ -79,9 +78,7 @@ def drop_world_write(cache_dir: Path) -> None:
     """uv creates its lock files mode 0666 (shared caches); bwstack's store keeps nothing world-writable."""
     for dirpath, dirnames, filenames in os.walk(cache_dir):
         if dirpath == str(cache_dir):
-            dirnames[:] = [
-                d for d in dirnames if not d.startswith("archive-")
-            ]  # unpacked wheels: uv's own modes
+            dirnames[:] = [d for d in dirnames if not d.startswith("archive-")]  # unpacked wheels: uv's own modes
         for name in filenames:
             if name.endswith(".lock"):
                 path = os.path.join(dirpath, name)

@@ -53,9 +53,7 @@ def installed(env: Path) -> dict[str, Installed]:
         meta = dist_info / "METADATA"
         if not meta.is_file():
             continue
-        headers = email.parser.Parser().parsestr(
-            meta.read_text(encoding="utf-8", errors="replace"), headersonly=True
-        )
+        headers = email.parser.Parser().parsestr(meta.read_text(encoding="utf-8", errors="replace"), headersonly=True)
         name = canonical(headers.get("Name", ""))
         installer_file = dist_info / "INSTALLER"
         installer = installer_file.read_text().strip() if installer_file.is_file() else ""

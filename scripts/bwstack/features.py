@@ -166,9 +166,7 @@ class _Table:
 
 
 def _is_table_ref(node: ast.AST, name: str) -> bool:
-    return (isinstance(node, ast.Name) and node.id == name) or (
-        isinstance(node, ast.Attribute) and node.attr == name
-    )
+    return (isinstance(node, ast.Name) and node.id == name) or (isinstance(node, ast.Attribute) and node.attr == name)
 
 
 def _functions(tree: ast.AST) -> Iterator[ast.FunctionDef]:

@@ -60,26 +60,18 @@ class Layout:
     profile_d: Path | None
 
     @classmethod
-    def default(
-        cls, root: str | None = None, ml_env: str | None = None, cuda_link: str | None = None
-    ) -> Layout:
+    def default(cls, root: str | None = None, ml_env: str | None = None, cuda_link: str | None = None) -> Layout:
         is_root = os.geteuid() == 0
         home = Path.home()
         root_path = Path(
-            root
-            or os.environ.get("BWSTACK_ROOT")
-            or ("/opt/bwstack" if is_root else home / ".local/share/bwstack")
+            root or os.environ.get("BWSTACK_ROOT") or ("/opt/bwstack" if is_root else home / ".local/share/bwstack")
         )
-        ml = Path(
-            ml_env or os.environ.get("BWSTACK_ML_ENV") or ("/opt/ml-env" if is_root else home / "ml-env")
-        )
+        ml = Path(ml_env or os.environ.get("BWSTACK_ML_ENV") or ("/opt/ml-env" if is_root else home / "ml-env"))
         link_value = cuda_link if cuda_link is not None else os.environ.get("BWSTACK_CUDA_LINK")
         if link_value is None:
             link_value = "/usr/local/cuda" if is_root else "none"
         link = None if link_value in ("", "none") else Path(link_value)
-        profile_d = (
-            Path("/etc/profile.d/bwstack.sh") if is_root and root is None and link is not None else None
-        )
+        profile_d = Path("/etc/profile.d/bwstack.sh") if is_root and root is None and link is not None else None
         return cls(root_path.absolute(), ml.absolute(), link, profile_d)
 
     @property
@@ -286,9 +278,7 @@ class Store:
 
     # -- switching ---------------------------------------------------------------------------------
 
-    def switch(
-        self, gen: Generation, *, depth: str = "quick", why: str = "switch", post_check: bool = True
-    ) -> dict:
+    def switch(self, gen: Generation, *, depth: str = "quick", why: str = "switch", post_check: bool = True) -> dict:
         """Verify `gen`, flip `current` to it, make sure the ml-env and CUDA links exist, check it runs."""
         started = time.perf_counter()
         problems = gen.verify(depth)
@@ -305,9 +295,7 @@ class Store:
         flipped_at = time.perf_counter()
         checkpoint("after-flip")
         self.ensure_links()
-        self._append_history(
-            {"at": now_iso(), "from": previous.name if previous else None, "to": gen.name, "why": why}
-        )
+        self._append_history({"at": now_iso(), "from": previous.name if previous else None, "to": gen.name, "why": why})
         timings = {"verify_s": verified_at - started, "flip_s": flipped_at - verified_at}
         if post_check:
             try:
@@ -339,16 +327,14 @@ class Store:
             ml.parent.mkdir(parents=True, exist_ok=True)
             atomic_symlink(want, ml)
         else:
-            raise BwstackError(
-                f"{ml} is a real directory, not bwstack's link: adopt it first (`bwstack adopt {ml}`)"
-            )
+            raise BwstackError(f"{ml} is a real directory, not bwstack's link: adopt it first (`bwstack adopt {ml}`)")
         link = self.layout.cuda_link
         if link is not None:
             want_cuda = self.layout.current / "cuda"
-            if link.is_symlink() or not link.exists():
-                if not link.is_symlink() or os.readlink(link) != str(want_cuda):
-                    link.parent.mkdir(parents=True, exist_ok=True)
-                    atomic_symlink(want_cuda, link)
+            ours = link.is_symlink() or not link.exists()  # never replace a real toolkit directory
+            if ours and (not link.is_symlink() or os.readlink(link) != str(want_cuda)):
+                link.parent.mkdir(parents=True, exist_ok=True)
+                atomic_symlink(want_cuda, link)
         if self.layout.profile_d is not None:
             text = (
                 "# Written by bwstack: the CUDA toolkit of the active generation (switches with it).\n"
@@ -502,15 +488,11 @@ def post_switch_check(ml_env: Path, gen: Generation) -> dict:
     started = time.perf_counter()
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_HOME", "PYTHONPATH", "PYTHONHOME")}
     try:
-        result = subprocess.run(
-            [str(python), "-c", code], capture_output=True, text=True, timeout=300, env=env
-        )
+        result = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=300, env=env)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise BwstackError(f"post-switch check: {python} did not run ({exc}); switched back") from None
     if result.returncode != 0:
-        raise BwstackError(
-            f"post-switch check: {python} failed: {result.stderr.strip()[-400:]}; switched back"
-        )
+        raise BwstackError(f"post-switch check: {python} failed: {result.stderr.strip()[-400:]}; switched back")
     facts = json.loads(result.stdout.strip().splitlines()[-1])
     facts["seconds"] = round(time.perf_counter() - started, 3)
     if facts.get("generation") != gen.name and facts.get("prefix") != str(gen.env.resolve()):
@@ -518,9 +500,7 @@ def post_switch_check(ml_env: Path, gen: Generation) -> dict:
     want_torch = gen.record.get("torch", {})
     if want_torch.get("version"):
         if "torch_error" in facts:
-            raise BwstackError(
-                f"post-switch check: import torch failed in {gen.name}: {facts['torch_error']}"
-            )
+            raise BwstackError(f"post-switch check: import torch failed in {gen.name}: {facts['torch_error']}")
         if facts.get("torch") != want_torch["version"] or facts.get("torch_cuda") != want_torch.get("cuda"):
             raise BwstackError(
                 f"post-switch check: torch {facts.get('torch')} (CUDA {facts.get('torch_cuda')}) in {gen.name}, "

@@ -105,9 +105,7 @@ def _check_packages(
                 report.add(ERROR, profile.name, f"{where}.wheels[{i}]", f"{wheel.file!r} is not a wheel name")
                 continue
             if canonicalize_name(wname) != name or wversion != Version(pkg.version):
-                report.add(
-                    ERROR, profile.name, f"{where}.wheels[{i}]", f"{wheel.file} is not {name} {pkg.version}"
-                )
+                report.add(ERROR, profile.name, f"{where}.wheels[{i}]", f"{wheel.file} is not {name} {pkg.version}")
             if target.wheel_rank(wheel.file) is not None:
                 wheels_ok = True
             if wheel.sha256 is None:
@@ -141,9 +139,7 @@ def _check_packages(
         reachable.add(name)
         stack.extend(canonicalize_name(Requirement(t).name) for t in packages[name].requires)
     for name in sorted(set(packages) - reachable):
-        report.add(
-            ERROR, profile.name, f"closures.{profile.name}.{part}.{name}", "nothing in the spec needs it"
-        )
+        report.add(ERROR, profile.name, f"closures.{profile.name}.{part}.{name}", "nothing in the spec needs it")
 
 
 def check_offline(lock: Lock, report: LockReport) -> None:
@@ -166,25 +162,17 @@ def check_offline(lock: Lock, report: LockReport) -> None:
             if pkg.version != pin.version:
                 report.add(ERROR, profile.name, where, f"pinned {pin.version}, closure has {pkg.version}")
             if pkg.index != pin.index:
-                report.add(
-                    ERROR, profile.name, where, f"must come from {pin.index}, closure says {pkg.index}"
-                )
+                report.add(ERROR, profile.name, where, f"must come from {pin.index}, closure says {pkg.index}")
             if (pin.static is None) != pkg.resolved_here:
-                report.add(
-                    ERROR, profile.name, where, "resolved_here disagrees with the spec's `static` block"
-                )
+                report.add(ERROR, profile.name, where, "resolved_here disagrees with the spec's `static` block")
             if pin.static is not None and tuple(pin.static.wheels) != tuple(pkg.wheels):
                 report.add(ERROR, profile.name, where, "closure wheels differ from the spec's static wheels")
         roots = [Requirement(f"{n}=={p.version}") for n, p in profile.requirements.items()]
         _check_packages(report, profile, "env", closure.env, roots)
-        tk_root = Requirement(
-            f"cuda-toolkit[{','.join(profile.cuda.pip_components)}]=={profile.cuda.pip_version}"
-        )
+        tk_root = Requirement(f"cuda-toolkit[{','.join(profile.cuda.pip_components)}]=={profile.cuda.pip_version}")
         toolkit = closure.cuda_toolkit.get("cuda-toolkit")
         if toolkit is None or toolkit.version != profile.cuda.pip_version:
-            report.add(
-                ERROR, profile.name, f"closures.{profile.name}.cuda_toolkit", "cuda-toolkit pin not resolved"
-            )
+            report.add(ERROR, profile.name, f"closures.{profile.name}.cuda_toolkit", "cuda-toolkit pin not resolved")
         _check_packages(report, profile, "cuda_toolkit", closure.cuda_toolkit, [tk_root])
         static = sum(not p.resolved_here for p in closure.env.values())
         report.counts[f"{profile.name} packages"] = len(closure.env)
@@ -231,9 +219,7 @@ def check_online(lock: Lock, report: LockReport) -> None:
                 elif file not in served:
                     report.add(ERROR, profile, name, f"PyPI no longer serves {file}")
                 elif served[file] != sha:
-                    report.add(
-                        ERROR, profile, name, f"{file}: PyPI serves sha256 {served[file]}, lock has {sha}"
-                    )
+                    report.add(ERROR, profile, name, f"{file}: PyPI serves sha256 {served[file]}, lock has {sha}")
                 else:
                     checked += 1
     report.counts["pypi hashes confirmed"] = checked
@@ -248,9 +234,7 @@ def check_online(lock: Lock, report: LockReport) -> None:
             continue
         actual = _stream_sha256(http, url)
         if sha is None:
-            report.add(
-                WARNING, profile, name, f"{file}: reachable; its sha256 is {actual} (add it to the lock)"
-            )
+            report.add(WARNING, profile, name, f"{file}: reachable; its sha256 is {actual} (add it to the lock)")
         elif actual != sha:
             report.add(ERROR, profile, name, f"{file}: served sha256 {actual}, lock has {sha} (re-uploaded?)")
         else:

@@ -339,9 +339,7 @@ def _wheel(node: _Node) -> Wheel:
     sha = node.raw("sha256")
     if sha is None:
         if not hash_source.startswith(HASH_SOURCE_MISSING):
-            node.fail(
-                "sha256 is null, so hash_source must say why it is missing (start with 'missing')", "sha256"
-            )
+            node.fail("sha256 is null, so hash_source must say why it is missing (start with 'missing')", "sha256")
     elif not isinstance(sha, str) or not SHA256_RE.match(sha):
         node.fail(f"expected 64 lowercase hex digits, got {_kind(sha)}", "sha256")
     elif hash_source.startswith(HASH_SOURCE_MISSING):
@@ -435,9 +433,7 @@ def _expect(node: _Node) -> Expectations:
                 breaks.fail("say why this break is accepted (a sentence, at least 20 characters)", path)
             known[path] = reason
     return Expectations(
-        torch_cuda=node.str(
-            "torch_cuda", pattern=re.compile(r"^\d+\.\d+$"), hint=' CUDA version like "13.0"'
-        ),
+        torch_cuda=node.str("torch_cuda", pattern=re.compile(r"^\d+\.\d+$"), hint=' CUDA version like "13.0"'),
         cudart_major=node.int("cudart_major"),
         target_capability=cap,
         sm120_kernels=node.str_list("sm120_kernels"),
@@ -565,9 +561,7 @@ def parse_lock(text: str, path: str = "stack.lock.yaml") -> Lock:
     )
     version = root.int("schema_version")
     if version != SCHEMA_VERSION:
-        root.fail(
-            f"this bwstack reads schema version {SCHEMA_VERSION}, the file says {version}", "schema_version"
-        )
+        root.fail(f"this bwstack reads schema version {SCHEMA_VERSION}, the file says {version}", "schema_version")
     resolution = root.node("resolution")
     resolution.only({"exclude_newer"})
     exclude_newer = resolution.str(
@@ -588,9 +582,7 @@ def parse_lock(text: str, path: str = "stack.lock.yaml") -> Lock:
     layers = []
     for layer in image.list_of_nodes("layers"):
         layer.only({"name", "packages"})
-        layers.append(
-            ImageLayer(name=layer.str("name", pattern=NAME_RE), packages=layer.str_list("packages"))
-        )
+        layers.append(ImageLayer(name=layer.str("name", pattern=NAME_RE), packages=layer.str_list("packages")))
     if not layers:
         image.fail("must list at least one layer", "layers")
     system: dict[str, tuple[str, ...]] = {}
@@ -610,14 +602,10 @@ def parse_lock(text: str, path: str = "stack.lock.yaml") -> Lock:
         prof_node.fail("must define at least one profile")
     default = root.str("default_profile")
     if default not in profiles:
-        root.fail(
-            f"{default!r} is not one of the profiles ({', '.join(sorted(profiles))})", "default_profile"
-        )
+        root.fail(f"{default!r} is not one of the profiles ({', '.join(sorted(profiles))})", "default_profile")
     rollback = root.str("rollback_profile")
     if rollback not in profiles:
-        root.fail(
-            f"{rollback!r} is not one of the profiles ({', '.join(sorted(profiles))})", "rollback_profile"
-        )
+        root.fail(f"{rollback!r} is not one of the profiles ({', '.join(sorted(profiles))})", "rollback_profile")
     if root.has("closures") and root.value["closures"] is not None:
         cl_node = root.node("closures")
         for name, value in cl_node.items():
@@ -646,9 +634,7 @@ def load_lock(path: str | Path) -> Lock:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise UsageError(
-            f"{path}: no such lock file (pass --lock PATH or run from the bwstack checkout)"
-        ) from None
+        raise UsageError(f"{path}: no such lock file (pass --lock PATH or run from the bwstack checkout)") from None
     except UnicodeDecodeError:
         raise LockError(str(path), "", "not UTF-8 text") from None
     except OSError as exc:

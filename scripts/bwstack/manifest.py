@@ -84,7 +84,7 @@ def build(
             raise ValueError(f"{root / rel}: not a regular file, directory or symlink")
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 2) as pool:
         hashes = pool.map(lambda item: hash_file(root / item[1]), to_hash)
-        for (index, rel, st), sha in zip(to_hash, hashes):
+        for (index, rel, st), sha in zip(to_hash, hashes, strict=False):
             entries[index] = _file_entry(rel, st, sha)
     return [e for e in entries if e is not None]
 
@@ -102,9 +102,7 @@ class Problem:
         return f"{self.path}: {self.what}"
 
 
-def verify(
-    root: Path, entries: list[Entry], depth: str = "quick", workers: int | None = None
-) -> list[Problem]:
+def verify(root: Path, entries: list[Entry], depth: str = "quick", workers: int | None = None) -> list[Problem]:
     """Differences between `root` now and its manifest; empty when it verifies."""
     expected = {e.path: e for e in entries}
     problems: list[Problem] = []
@@ -119,16 +117,12 @@ def verify(
         if stat.S_ISLNK(st.st_mode):
             target = os.readlink(root / rel)
             if entry.kind != "l" or target != entry.sha256:
-                problems.append(
-                    Problem(rel, f"symlink now points to {target!r}, manifest says {entry.sha256!r}")
-                )
+                problems.append(Problem(rel, f"symlink now points to {target!r}, manifest says {entry.sha256!r}"))
         elif stat.S_ISDIR(st.st_mode):
             if entry.kind != "d":
                 problems.append(Problem(rel, "is a directory, manifest says it is not"))
         elif entry.kind != "f":
-            problems.append(
-                Problem(rel, f"is a file, manifest says {'symlink' if entry.kind == 'l' else 'directory'}")
-            )
+            problems.append(Problem(rel, f"is a file, manifest says {'symlink' if entry.kind == 'l' else 'directory'}"))
         elif st.st_size != entry.size:
             problems.append(Problem(rel, f"size {st.st_size}, manifest says {entry.size}"))
         elif depth == "full" or st.st_ino != entry.ino or st.st_mtime_ns != entry.mtime_ns:
@@ -136,11 +130,9 @@ def verify(
     for rel in sorted(set(expected) - seen):
         problems.append(Problem(rel, "missing"))
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 2) as pool:
-        for entry, sha in zip(suspects, pool.map(lambda e: _safe_hash(root / e.path), suspects)):
+        for entry, sha in zip(suspects, pool.map(lambda e: _safe_hash(root / e.path), suspects), strict=False):
             if sha != entry.sha256:
-                problems.append(
-                    Problem(entry.path, f"content changed (sha256 {sha}, manifest {entry.sha256})")
-                )
+                problems.append(Problem(entry.path, f"content changed (sha256 {sha}, manifest {entry.sha256})"))
     return sorted(problems, key=lambda p: p.path)
 
 

@@ -51,9 +51,7 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 class PatchRefusedError(PreflightError):
     """A patch cannot be applied or reverted safely here; nothing was written."""
 
-    def __init__(
-        self, patch_id: str, message: str, path: str | None = None, sha256: str | None = None
-    ) -> None:
+    def __init__(self, patch_id: str, message: str, path: str | None = None, sha256: str | None = None) -> None:
         self.patch_id = patch_id
         self.path = path
         self.sha256 = sha256
@@ -145,12 +143,8 @@ def _parse_patch(patch_id: str, node: dict) -> Patch:
             raise fail(f"families[{i}]: no files")
         verified = tuple(str(v) for v in fam.get("verified") or ())
         families.append(Family(str(fam["versions"]), verified, tuple(files)))
-    unsupported = tuple(
-        Unsupported(str(u["versions"]), str(u["reason"])) for u in node.get("unsupported") or ()
-    )
-    return Patch(
-        patch_id, str(node["package"]), str(node.get("description", "")), tuple(families), unsupported
-    )
+    unsupported = tuple(Unsupported(str(u["versions"]), str(u["reason"])) for u in node.get("unsupported") or ())
+    return Patch(patch_id, str(node["package"]), str(node.get("description", "")), tuple(families), unsupported)
 
 
 @cache
@@ -245,8 +239,7 @@ def _patch_state(site_packages: Path, patch: Patch) -> tuple[PatchState, Family 
     if UNKNOWN in kinds:
         overall = UNKNOWN
         reason = "; ".join(
-            f"{f.path} has sha256 {f.sha256}, neither the original nor the patched file of {patch.package} "
-            f"{version}"
+            f"{f.path} has sha256 {f.sha256}, neither the original nor the patched file of {patch.package} {version}"
             for f in states
             if f.state == UNKNOWN
         )
@@ -260,9 +253,7 @@ def _patch_state(site_packages: Path, patch: Patch) -> tuple[PatchState, Family 
     else:
         overall = PARTIAL
         reason = "partly applied (" + ", ".join(f"{f.path}: {f.state}" for f in states) + "); apply or revert"
-    return PatchState(
-        patch.id, patch.package, version, family.versions, overall, reason, tuple(states)
-    ), family
+    return PatchState(patch.id, patch.package, version, family.versions, overall, reason, tuple(states)), family
 
 
 def _unsupported_reason(patch: Patch, version: str, current: dict[str, str | None]) -> str:
@@ -350,9 +341,7 @@ def _plan(site_packages: Path, patches: list[Patch], revert: bool) -> list[tuple
                     f.sha256,
                 )
             if f.path in claimed:
-                raise PatchRefusedError(
-                    patch.id, f"{f.path} is also edited by patch {claimed[f.path]}", f.path
-                )
+                raise PatchRefusedError(patch.id, f"{f.path} is also edited by patch {claimed[f.path]}", f.path)
             claimed[f.path] = patch.id
         writes = []
         for spec, f in zip(family.files, state.files, strict=True):
@@ -382,9 +371,7 @@ def _replace_file(path: Path, data: bytes) -> None:
             os.fsync(handle.fileno())
         os.chmod(tmp, stat.S_IMODE(st.st_mode))
         if (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
-            with contextlib.suppress(
-                PermissionError
-            ):  # not root: the file becomes ours, as any rewrite would
+            with contextlib.suppress(PermissionError):  # not root: the file becomes ours, as any rewrite would
                 os.chown(tmp, st.st_uid, st.st_gid)
         os.replace(tmp, path)
     except BaseException:
@@ -421,23 +408,15 @@ def _run(site_packages: Path, patch_ids: Iterable[str], revert: bool) -> list[Pa
                 ) from exc
             after = sha256_file(path)
             if after != target:
-                raise IntegrityError(
-                    f"patch {state.patch_id}: {path} has sha256 {after} after writing, not {target}"
-                )
+                raise IntegrityError(f"patch {state.patch_id}: {path} has sha256 {after} after writing, not {target}")
             action = "restored" if revert else "patched"
-            written[spec.path] = FileChange(
-                spec.path, action, before, after, remove_bytecode(site_packages, spec.path)
-            )
-        files = tuple(
-            written.get(f.path) or FileChange(f.path, "unchanged", f.sha256, f.sha256) for f in state.files
-        )
+            written[spec.path] = FileChange(spec.path, action, before, after, remove_bytecode(site_packages, spec.path))
+        files = tuple(written.get(f.path) or FileChange(f.path, "unchanged", f.sha256, f.sha256) for f in state.files)
         if revert:
             action = "reverted" if written else "already original"
         else:
             action = "applied" if written else "already applied"
-        results.append(
-            PatchResult(state.patch_id, state.package, state.version, family.versions, action, files)
-        )
+        results.append(PatchResult(state.patch_id, state.package, state.version, family.versions, action, files))
     return results
 
 

@@ -83,17 +83,13 @@ def _installed_hashes(env: Path) -> tuple[str | None, dict[str, str]]:
         direct = dist.dist_info / "direct_url.json"
         if direct.is_file():
             info = json.loads(direct.read_text()).get("archive_info", {})
-            digest = info.get("hashes", {}).get("sha256") or (
-                info.get("hash", "").partition("sha256=")[2] or None
-            )
+            digest = info.get("hashes", {}).get("sha256") or (info.get("hash", "").partition("sha256=")[2] or None)
             if digest:
                 hashes[name] = digest
     return generation, hashes
 
 
-def plan_env(
-    profile: Profile, env: Path | None, root: str | None = None, ml_env: str | None = None
-) -> EnvPlan:
+def plan_env(profile: Profile, env: Path | None, root: str | None = None, ml_env: str | None = None) -> EnvPlan:
     if env is None:
         from bwstack.generations import Layout
 

@@ -135,7 +135,13 @@ def check(
     gpus, driver, why = _gpus()
     if not gpus:
         report.checks.append(
-            Check("gpu", False, f"no NVIDIA GPU: {why}", "install the NVIDIA driver, or allow CPU-only targets", allow_no_gpu)
+            Check(
+                "gpu",
+                False,
+                f"no NVIDIA GPU: {why}",
+                "install the NVIDIA driver, or allow CPU-only targets",
+                allow_no_gpu,
+            )
         )
         if allow_no_gpu:
             report.warnings.append(

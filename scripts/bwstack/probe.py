@@ -145,7 +145,7 @@ def cuda_facts(env: Path, capability: str) -> dict:
     code = "import os, shutil; print(os.environ.get('CUDA_HOME') or ''); print(shutil.which('nvcc') or '')"
     scrubbed = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     rc, out, err = _run([str(python), "-c", code], env=scrubbed)
-    lines = (out.splitlines() + ["", ""])[:2] if rc == 0 else ["", ""]
+    lines = ([*out.splitlines(), "", ""])[:2] if rc == 0 else ["", ""]
     facts["cuda_home_env"] = lines[0] or None
     facts["nvcc_on_path"] = lines[1] or None
     home = lines[0] or (str(Path(lines[1]).resolve().parents[1]) if lines[1] else "")
@@ -162,7 +162,9 @@ def cuda_facts(env: Path, capability: str) -> dict:
         with tempfile.TemporaryDirectory(prefix="bwstack-nvcc-") as tmp:
             src = Path(tmp, "k.cu")
             src.write_text(COMPILE_SOURCE)
-            rc, out, err = _run([facts["nvcc"], f"-arch={arch}", "-cubin", "-o", str(Path(tmp, "k.cubin")), str(src)], timeout=300)
+            rc, out, err = _run(
+                [facts["nvcc"], f"-arch={arch}", "-cubin", "-o", str(Path(tmp, "k.cubin")), str(src)], timeout=300
+            )
         facts["compile"] = {"arch": arch, "ok": rc == 0, "error": (err or out).strip()[-600:] if rc else ""}
     marker = Path(home, "bwstack-toolkit.json") if home else None
     if marker and marker.is_file():
@@ -293,7 +295,13 @@ def _fatbin_summary(path: Path, capability: str) -> dict:
     except (elfscan.NotElfError, fatbin.FatbinError, OSError) as exc:
         return {"path": str(path), "error": str(exc)}
     ok, reason = fatbin.covers(found, capability)
-    return {"path": str(path), "summary": fatbin.summary(path), "covers": ok, "reason": reason, "has_device_code": bool(found)}
+    return {
+        "path": str(path),
+        "summary": fatbin.summary(path),
+        "covers": ok,
+        "reason": reason,
+        "has_device_code": bool(found),
+    }
 
 
 def _cubin_arch(path: Path) -> str | None:
@@ -365,7 +373,7 @@ def _stub_libcuda(sp: Path, out_dir: Path) -> Path | None:
     src = out_dir / "stub.c"
     src.write_text("".join(f"int {n}(void) {{ return 34; }}\n" for n in sorted(names)))  # 34: CUDA_ERROR_STUB_LIBRARY
     lib = out_dir / "libcuda.so.1"
-    rc, _, err = _run([gcc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(lib), str(src)])
+    rc, _, _err = _run([gcc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(lib), str(src)])
     return lib if rc == 0 else None
 
 
@@ -378,7 +386,7 @@ def import_facts(env: Path, sp: Path, gpu_present: bool) -> dict:
         if not (sp / module).is_dir():
             results[module] = {"installed": False}
             continue
-        rc, out, err = _run([python, "-c", statement], timeout=600, env=base)
+        rc, _out, err = _run([python, "-c", statement], timeout=600, env=base)
         entry: dict = {"installed": True, "ok": rc == 0, "error": _last_error(err) if rc else ""}
         if rc and "libcuda.so.1" in err and not gpu_present:
             entry["blocked_by_missing_driver"] = True
@@ -390,7 +398,10 @@ def import_facts(env: Path, sp: Path, gpu_present: bool) -> dict:
                 rc2, _, err2 = _run([python, "-c", statement], timeout=600, env=env_stub)
                 entry["with_stub_libcuda"] = {"ok": rc2 == 0, "error": _last_error(err2) if rc2 else ""}
             else:
-                entry["with_stub_libcuda"] = {"ok": None, "error": "no C compiler here to build a stand-in libcuda.so.1"}
+                entry["with_stub_libcuda"] = {
+                    "ok": None,
+                    "error": "no C compiler here to build a stand-in libcuda.so.1",
+                }
         results[module] = entry
     if stub_dir is not None:
         shutil.rmtree(stub_dir, ignore_errors=True)
@@ -416,7 +427,7 @@ def _last_error(stderr: str) -> str:
 
 # ------------------------------------------------------------------------------------------------ runtime
 
-RUNTIME_SCRIPT = r'''
+RUNTIME_SCRIPT = r"""
 import json, os, sys
 out = {}
 try:
@@ -444,7 +455,8 @@ def rms_ref(x, w, eps):
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
 if n:
-    x = torch.randn(8, 1024, dtype=torch.bfloat16, device="cuda:0"); w = torch.randn(1024, dtype=torch.bfloat16, device="cuda:0")
+    x = torch.randn(8, 1024, dtype=torch.bfloat16, device="cuda:0")
+    w = torch.randn(1024, dtype=torch.bfloat16, device="cuda:0")
     try:
         import sgl_kernel
         y = sgl_kernel.rmsnorm(x, w, 1e-6)
@@ -460,9 +472,9 @@ if n:
     except Exception as exc:
         out["flashinfer_rmsnorm"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:600]}
 print(json.dumps(out))
-'''
+"""
 
-NCCL_SCRIPT = r'''
+NCCL_SCRIPT = r"""
 import json, os, sys, tempfile
 import torch, torch.distributed as dist, torch.multiprocessing as mp
 def work(rank, world, init, q):
@@ -483,7 +495,7 @@ if __name__ == "__main__":
     print(json.dumps({"world_size": world, "expected": want, "results": got,
                       "ok": all(v == want and lo == want and hi == want for _, v, lo, hi in got),
                       "nccl": ".".join(map(str, torch.cuda.nccl.version()))}))
-'''
+"""
 
 
 def runtime_facts(env: Path) -> dict:
@@ -495,7 +507,11 @@ def runtime_facts(env: Path) -> dict:
         script.write(NCCL_SCRIPT)
     rc, out, err = _run([python, script.name], timeout=900, env=base)
     os.unlink(script.name)
-    facts["nccl_allreduce"] = json.loads(out.strip().splitlines()[-1]) if rc == 0 and out.strip() else {"ok": False, "error": _last_error(err) or err[-400:]}
+    facts["nccl_allreduce"] = (
+        json.loads(out.strip().splitlines()[-1])
+        if rc == 0 and out.strip()
+        else {"ok": False, "error": _last_error(err) or err[-400:]}
+    )
     return facts
 
 

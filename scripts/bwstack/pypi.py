@@ -95,9 +95,7 @@ def project_files(http: requests.Session, index_url: str, project: str) -> list[
 
 def _reason(exc: Exception) -> str:
     text = str(exc)
-    match = re.search(
-        r"(Name or service not known|Connection refused|timed out|CERTIFICATE_VERIFY_FAILED[^']*)", text
-    )
+    match = re.search(r"(Name or service not known|Connection refused|timed out|CERTIFICATE_VERIFY_FAILED[^']*)", text)
     return match.group(1) if match else text.splitlines()[0][:200]
 
 
@@ -120,9 +118,7 @@ def _metadata_by_range(http: requests.Session, url: str) -> str:
     tail = _range(http, url, "-65536")
     eocd = tail.rfind(b"PK\x05\x06")
     if eocd < 0:
-        raise BwstackError(
-            f"{url}: no zip directory in the last 64 KiB (zip64 wheels are not supported here)"
-        )
+        raise BwstackError(f"{url}: no zip directory in the last 64 KiB (zip64 wheels are not supported here)")
     cd_size, cd_offset = struct.unpack_from("<II", tail, eocd + 12)
     directory = _range(http, url, f"{cd_offset}-{cd_offset + cd_size - 1}")
     pos = 0

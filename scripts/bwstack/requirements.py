@@ -22,9 +22,7 @@ from bwstack.lockfile import ImageLayer, LockedPackage, Profile, Wheel
 from bwstack.targets import Target
 from bwstack.wheelhouse import select
 
-LINE_RE = re.compile(
-    r"^(?P<name>[A-Za-z0-9._-]+) @ (?P<url>\S+)(?P<hashes>(?: --hash=sha256:[0-9a-f]{64})*)\s*$"
-)
+LINE_RE = re.compile(r"^(?P<name>[A-Za-z0-9._-]+) @ (?P<url>\S+)(?P<hashes>(?: --hash=sha256:[0-9a-f]{64})*)\s*$")
 
 
 def layer_of(name: str, layers: Iterable[ImageLayer]) -> str:
@@ -54,9 +52,7 @@ def render(
         if wheel.sha256:
             line += f" --hash=sha256:{wheel.sha256}"
         else:
-            lines.append(
-                f"# {name} {pkg.version}: no sha256 in the lock ({wheel.hash_source}); needs --allow-unhashed"
-            )
+            lines.append(f"# {name} {pkg.version}: no sha256 in the lock ({wheel.hash_source}); needs --allow-unhashed")
         lines.append(line)
     return "\n".join(lines) + "\n"
 
@@ -86,9 +82,7 @@ def parse(path: Path) -> dict[str, LockedPackage]:
             continue
         match = LINE_RE.match(line.strip())
         if not match:
-            raise UsageError(
-                f"{path}:{number}: not a bwstack requirement line (NAME @ URL [--hash=sha256:H])"
-            )
+            raise UsageError(f"{path}:{number}: not a bwstack requirement line (NAME @ URL [--hash=sha256:H])")
         url = match.group("url")
         file = unquote(url.rsplit("/", 1)[-1])
         try:

@@ -30,9 +30,7 @@ from bwstack.targets import Target, applicable_requirements, requested_extras
 from bwstack.uvtool import run_uv, uv_env, uv_version
 
 
-def write_stub_wheel(
-    directory: Path, filename: str, name: str, version: str, requires_dist: Iterable[str]
-) -> Path:
+def write_stub_wheel(directory: Path, filename: str, name: str, version: str, requires_dist: Iterable[str]) -> Path:
     """A metadata-only wheel for the resolver: uv sees the package, its version and its Requires-Dist.
 
     It stands in for a wheel this network cannot download, so that every constraint other packages put on
@@ -152,9 +150,7 @@ def _closure_from_pins(
     while True:
         before = {k: set(v) for k, v in extras.items()}
         for name, reqs in raw_requires.items():
-            for wanted, names in requested_extras(
-                applicable_requirements(target, reqs, extras.get(name, ()))
-            ).items():
+            for wanted, names in requested_extras(applicable_requirements(target, reqs, extras.get(name, ()))).items():
                 extras.setdefault(wanted, set()).update(names)
         if extras == before:
             break
@@ -170,9 +166,7 @@ def _closure_from_pins(
         )
     for name, pkg in static.items():
         applicable = applicable_requirements(target, pkg.requires, extras.get(name, ()))
-        packages[name] = LockedPackage(
-            **{**pkg.__dict__, "requires": tuple(sorted({str(r) for r in applicable}))}
-        )
+        packages[name] = LockedPackage(**{**pkg.__dict__, "requires": tuple(sorted({str(r) for r in applicable}))})
     return dict(sorted(packages.items()))
 
 
@@ -198,9 +192,7 @@ def resolve_profile(lock: Lock, profile: Profile, http: requests.Session) -> dic
     pins = uv_compile(top_level, overrides, target, lock.exclude_newer, index_url, static.values())
     for name, pin in profile.requirements.items():
         if pins.get(name) != pin.version:
-            raise BwstackError(
-                f"{profile.name}: uv resolved {name} {pins.get(name)}, the spec pins {pin.version}"
-            )
+            raise BwstackError(f"{profile.name}: uv resolved {name} {pins.get(name)}, the spec pins {pin.version}")
     resolved = {name: version for name, version in pins.items() if name not in static}
     env = _closure_from_pins(http, resolved, static, target, index_url, cutoff, top_level)
 
@@ -235,8 +227,7 @@ def _dump_packages(packages: Mapping[str, LockedPackage]) -> dict:
             entry["metadata_source"] = pkg.metadata_source
         entry["requires"] = list(pkg.requires)
         entry["wheels"] = [
-            {"file": w.file, "url": w.url, "sha256": w.sha256, "hash_source": w.hash_source}
-            for w in pkg.wheels
+            {"file": w.file, "url": w.url, "sha256": w.sha256, "hash_source": w.hash_source} for w in pkg.wheels
         ]
         out[name] = entry
     return out

@@ -60,6 +60,4 @@ def _describe(fd: int) -> str:
         return "a process that has not written its name yet"
     if not info:
         return "a process that has not written its name yet"
-    return (
-        f"pid {info.get('pid')} on {info.get('host')}, `{info.get('command')}`, since {info.get('started')}"
-    )
+    return f"pid {info.get('pid')} on {info.get('host')}, `{info.get('command')}`, since {info.get('started')}"

@@ -37,9 +37,7 @@ def describe(lock: Lock, profile: Profile) -> dict:
             "pip": f"cuda-toolkit[{','.join(profile.cuda.pip_components)}]=={profile.cuda.pip_version}",
             "docker_base": profile.cuda.docker_base,
         },
-        "pins": {
-            name: {"version": pin.version, "index": pin.index} for name, pin in profile.requirements.items()
-        },
+        "pins": {name: {"version": pin.version, "index": pin.index} for name, pin in profile.requirements.items()},
         "overrides": [
             {
                 "package": o.package,
@@ -80,7 +78,8 @@ def render(payload: dict) -> str:
     tk = payload["cuda_toolkit"]
     lines += [
         "",
-        f"  python {payload['python']} on {payload['platform']}; CUDA toolkit at {tk['home']}, driver >= {tk['min_driver']}",
+        f"  python {payload['python']} on {payload['platform']}; CUDA toolkit at {tk['home']}, "
+        f"driver >= {tk['min_driver']}",
         f"  apt {tk['apt']} | pip {tk['pip']} | image {tk['docker_base']}",
     ]
     if payload["overrides"]:
@@ -99,8 +98,6 @@ def render(payload: dict) -> str:
             f"not resolvable here: {', '.join(closure['not_resolved_here']) or 'none'}"
         )
         if closure["missing_hashes"]:
-            lines.append(
-                f"  no hash known for: {', '.join(closure['missing_hashes'])} (needs --allow-unhashed)"
-            )
+            lines.append(f"  no hash known for: {', '.join(closure['missing_hashes'])} (needs --allow-unhashed)")
     lines.append(f"  lock digest {payload['lock_digest']}")
     return "\n".join(lines)

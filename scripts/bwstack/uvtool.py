@@ -46,6 +46,4 @@ def uv_env(extra: Mapping[str, str] | None = None, *, ca_bundle: str | None = No
 def run_uv(
     args: Sequence[str], *, env: Mapping[str, str], capture: bool = False, cwd: str | None = None
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [uv_bin(), *args], env=dict(env), capture_output=capture, text=True, cwd=cwd, check=False
-    )
+    return subprocess.run([uv_bin(), *args], env=dict(env), capture_output=capture, text=True, cwd=cwd, check=False)

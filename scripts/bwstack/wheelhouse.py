@@ -58,9 +58,7 @@ class Sources:
     offline: bool = False
 
     @classmethod
-    def parse(
-        cls, wheelhouses: Iterable[str] = (), mirrors: Iterable[str] = (), offline: bool = False
-    ) -> Sources:
+    def parse(cls, wheelhouses: Iterable[str] = (), mirrors: Iterable[str] = (), offline: bool = False) -> Sources:
         parsed: dict[str, str] = {}
         for item in mirrors:
             name, sep, url = item.partition("=")
@@ -120,9 +118,7 @@ class Fetcher:
         if unknown:
             raise UsageError(f"--allow-unhashed {', '.join(sorted(unknown))}: not in this closure")
         refused = [
-            name
-            for name, (_, wheel) in selection.items()
-            if wheel.sha256 is None and name not in self.allow_unhashed
+            name for name, (_, wheel) in selection.items() if wheel.sha256 is None and name not in self.allow_unhashed
         ]
         if refused:
             raise BwstackError(
@@ -194,9 +190,7 @@ class Fetcher:
                     out.write(chunk)
         except requests.RequestException as exc:
             tmp.unlink(missing_ok=True)
-            raise BwstackError(
-                f"{pkg.name} {pkg.version}: cannot download {url}: {pypi._reason(exc)}"
-            ) from None
+            raise BwstackError(f"{pkg.name} {pkg.version}: cannot download {url}: {pypi._reason(exc)}") from None
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             if exc.errno == 28:
@@ -233,9 +227,7 @@ class Fetcher:
                 except OSError as exc:
                     tmp.unlink(missing_ok=True)
                     if exc.errno == 28:
-                        raise DiskFullError(
-                            f"disk full while copying {wheel.file} into {self.store}"
-                        ) from None
+                        raise DiskFullError(f"disk full while copying {wheel.file} into {self.store}") from None
                     raise
                 os.replace(tmp, final)
             else:

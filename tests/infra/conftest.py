@@ -58,7 +58,7 @@ def _upload(host, data: bytes, remote: str) -> None:
     tmp = f"{remote}.b64.tmp"
     host.run_expect([0], f"rm -f {shlex.quote(tmp)}")
     for start in range(0, len(encoded), CHUNK):
-        host.run_expect([0], f"printf %s {encoded[start:start + CHUNK]} >> {shlex.quote(tmp)}")
+        host.run_expect([0], f"printf %s {encoded[start : start + CHUNK]} >> {shlex.quote(tmp)}")
     host.run_expect([0], f"base64 -d {shlex.quote(tmp)} > {shlex.quote(remote)} && rm -f {shlex.quote(tmp)}")
 
 
@@ -76,7 +76,7 @@ def collect(host, config: pytest.Config, capability: str) -> dict:
         args.append("--no-imports")
     python_cmd = (
         f"p={shlex.quote(env or '')}/bin/python; "
-        "if [ -n \"$p\" ] && [ -x \"$p\" ]; then echo $p; else command -v python3; fi"
+        'if [ -n "$p" ] && [ -x "$p" ]; then echo $p; else command -v python3; fi'
     )
     python = host.check_output(python_cmd) or "python3"
     result = host.run(f"{shlex.quote(python)} {remote} {' '.join(shlex.quote(a) for a in args)}")
@@ -113,7 +113,9 @@ def profile(facts: dict, lock: Lock, request: pytest.FixtureRequest) -> Profile:
 @pytest.fixture(scope="module")
 def env(facts: dict) -> dict:
     if not facts["env"].get("exists"):
-        pytest.fail(f"no env at {facts['env']['path']} on this host: provision it (`bwstack provision`) or pass --stack-env")
+        pytest.fail(
+            f"no env at {facts['env']['path']} on this host: provision it (`bwstack provision`) or pass --stack-env"
+        )
     return facts["env"]
 
 
@@ -130,6 +132,8 @@ def target_gpu(gpu: dict, profile: Profile) -> dict:
     want = profile.expect.target_capability
     caps = sorted({g["capability"] for g in gpu["gpus"]})
     if caps != [want]:
-        pytest.skip(f"GPU capability {', '.join(caps)} ({gpu['gpus'][0]['name']}), not the profile's {want}: "
-                    f"SM{want.replace('.', '')}-only check")
+        pytest.skip(
+            f"GPU capability {', '.join(caps)} ({gpu['gpus'][0]['name']}), not the profile's {want}: "
+            f"SM{want.replace('.', '')}-only check"
+        )
     return gpu

@@ -42,7 +42,9 @@ def test_every_needed_library_of_every_extension_resolves_in_the_env(facts, env,
 def test_driver_libraries_extensions_need_are_present_when_a_gpu_is(facts, env):
     needs = sorted({lib for e in _extensions(facts) for lib in e["unresolved_driver_libs"]})
     if not facts["gpu"]["present"]:
-        pytest.skip(f"no NVIDIA driver here ({facts['gpu']['reason']}); extensions need {', '.join(needs) or 'none'} from it")
+        pytest.skip(
+            f"no NVIDIA driver here ({facts['gpu']['reason']}); extensions need {', '.join(needs) or 'none'} from it"
+        )
     assert not needs, f"the driver is present but {', '.join(needs)} cannot be found: reinstall the driver's libraries"
 
 
@@ -75,7 +77,8 @@ def test_extensions_use_the_cxx11_abi_of_torch(facts, env, profile, record_prope
     wrong = [
         e["path"]
         for e in _extensions(facts)
-        if e["cxx11_abi"] is not None and e["cxx11_abi"] != torch_abi
+        if e["cxx11_abi"] is not None
+        and e["cxx11_abi"] != torch_abi
         and not _accepted(profile, record_property, e["path"], f"C++11 ABI {e['cxx11_abi']}, torch {torch_abi}")
     ]
     assert not wrong, f"_GLIBCXX_USE_CXX11_ABI differs from torch ({torch_abi}) in: {', '.join(wrong[:5])}"

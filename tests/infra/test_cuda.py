@@ -26,7 +26,8 @@ def test_toolkit_nvcc_is_the_profiles_cuda_version(facts, env, profile):
     cuda = facts["cuda"]
     marker_note = (cuda.get("toolkit_marker") or {}).get("note")
     assert cuda.get("nvcc"), (
-        f"no nvcc in {cuda.get('cuda_home')}/bin" + (f": {marker_note}" if marker_note else "")
+        f"no nvcc in {cuda.get('cuda_home')}/bin"
+        + (f": {marker_note}" if marker_note else "")
         + f". FlashInfer JIT-compiles its SM120 kernels with nvcc; install CUDA {profile.cuda.version} with "
         "the apt method (`cuda_method: apt`)."
     )

@@ -18,5 +18,9 @@ def test_feature_state_is_what_the_lock_expects(facts, env, profile, feature, re
     assert report["state"] == expected, (
         f"{feature} is {report['state'].upper()} on SM{facts['capability'].replace('.', '')}, the lock expects "
         f"{expected}: {report['reason']}"
-        + (" Apply the patch: `bwstack patch apply`." if report["state"] == "crashes" and feature.startswith("torch") else "")
+        + (
+            " Apply the patch: `bwstack patch apply`."
+            if report["state"] == "crashes" and feature.startswith("torch")
+            else ""
+        )
     )

@@ -26,7 +26,11 @@ def test_torch_sees_every_gpu(runtime, gpu):
 
 
 def test_matmul_is_correct_on_every_gpu(runtime):
-    bad = [f"cuda:{d['index']}: {d.get('matmul_error') or d.get('matmul_max_rel_err')}" for d in runtime["devices"] if not d["matmul_ok"]]
+    bad = [
+        f"cuda:{d['index']}: {d.get('matmul_error') or d.get('matmul_max_rel_err')}"
+        for d in runtime["devices"]
+        if not d["matmul_ok"]
+    ]
     assert not bad, f"a 512x512 matmul is wrong or fails: {'; '.join(bad)}"
 
 

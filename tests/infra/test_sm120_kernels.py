@@ -28,7 +28,11 @@ def test_sgl_kernel_common_ops_carries_kernels_for_the_target_capability(facts, 
         pytest.skip(f"profile {profile.name} does not require SM120 kernels in sgl-kernel")
     if "sgl_kernel" not in facts["fatbin"]:
         pytest.fail("sgl-kernel is not installed in this env")
-    _covered(facts["fatbin"]["sgl_kernel"], f"sgl-kernel {facts['fatbin']['sgl_kernel_variant']}/common_ops", facts["capability"])
+    _covered(
+        facts["fatbin"]["sgl_kernel"],
+        f"sgl-kernel {facts['fatbin']['sgl_kernel_variant']}/common_ops",
+        facts["capability"],
+    )
 
 
 def test_flashinfer_sm120_kernels_come_from_its_jit_cache_or_nvcc(facts, env):

@@ -94,6 +94,4 @@ def have_python312() -> bool:
         return False
 
 
-needs_py312 = pytest.mark.skipif(
-    not have_python312(), reason="no Python 3.12 interpreter (the profiles' Python)"
-)
+needs_py312 = pytest.mark.skipif(not have_python312(), reason="no Python 3.12 interpreter (the profiles' Python)")

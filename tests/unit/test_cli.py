@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+
 import pytest
 import yaml
 from conftest import REAL_LOCK, bwstack, needs_py312
@@ -129,7 +130,10 @@ def test_the_rendered_file_installs_with_plain_uv_and_a_wrong_hash_is_refused(tm
     bad.write_text(text.replace(sha, "0" * 64))
     env = uv_env({"UV_CACHE_DIR": str(tmp_path / "cache")})
     for name in ("ok", "tampered"):
-        assert run_uv(["venv", "--python", find_python("3.12"), str(tmp_path / name)], env=env, capture=True).returncode == 0
+        assert (
+            run_uv(["venv", "--python", find_python("3.12"), str(tmp_path / name)], env=env, capture=True).returncode
+            == 0
+        )
     args = ["pip", "install", "--require-hashes", "--no-deps", "--python"]
     ok = run_uv([*args, str(tmp_path / "ok" / "bin" / "python"), "-r", str(good)], env=env, capture=True)
     assert ok.returncode == 0, ok.stderr
@@ -159,7 +163,9 @@ def test_plan_reports_missing_extra_and_wrong_hash(stack):
 
     run_uv(["pip", "uninstall", "--python", str(env / "bin" / "python"), "fixture-dep"], env=uv_env(), capture=True)
     extra = next(p for p in (stack.tmp / "extra-wheels").iterdir())
-    result = run_uv(["pip", "install", "--python", str(env / "bin" / "python"), "--no-deps", str(extra)], env=uv_env(), capture=True)
+    result = run_uv(
+        ["pip", "install", "--python", str(env / "bin" / "python"), "--no-deps", str(extra)], env=uv_env(), capture=True
+    )
     assert result.returncode == 0, result.stderr
     record = stack.root / "current" / "record.json"
     data = json.loads(record.read_text())
@@ -169,7 +175,9 @@ def test_plan_reports_missing_extra_and_wrong_hash(stack):
     plan = json.loads(stack.run("plan", "--profile", "fixture-new", "--json", check=True).stdout)
     assert [d["name"] for d in plan["missing"]] == ["fixture-dep"]
     assert [d["name"] for d in plan["wrong_hash"]] == ["torch"]
-    assert [(d["name"], d["installed"], d["locked"]) for d in plan["wrong_version"]] == [("fixture-shared", "2.0", "1.0")]
+    assert [(d["name"], d["installed"], d["locked"]) for d in plan["wrong_version"]] == [
+        ("fixture-shared", "2.0", "1.0")
+    ]
 
 
 def test_cli_help_lists_every_job():

@@ -37,9 +37,7 @@ from bwstack.elfscan import (
     undefined_symbols,
 )
 
-needs_gcc = pytest.mark.skipif(
-    shutil.which("gcc") is None or shutil.which("g++") is None, reason="gcc/g++ not found"
-)
+needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None or shutil.which("g++") is None, reason="gcc/g++ not found")
 
 
 def cc(out: Path, source: str, *flags: str, cxx: bool = False) -> Path:
@@ -127,9 +125,7 @@ def test_symbols(libs: dict[str, Path]) -> None:
     assert exported["prot_fn"].visibility == "PROTECTED"
     assert str(exported["foo"]) == "foo@FOO_1.0"
     undefined = {s.name: s for s in undefined_symbols(libs["rpath"])}
-    assert (
-        undefined["foo"].version == "FOO_1.0" and not undefined["foo"].weak and not undefined["foo"].defined
-    )
+    assert undefined["foo"].version == "FOO_1.0" and not undefined["foo"].weak and not undefined["foo"].defined
     assert undefined["maybe_missing"].weak and undefined["maybe_missing"].version is None
     assert "use" not in undefined and "use" in {s.name for s in exported_symbols(libs["rpath"])}
 

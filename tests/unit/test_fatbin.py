@@ -68,9 +68,7 @@ def nvcc_libs() -> dict[str, Path]:
     """{variant: .so} for GENCODE, built with `nvcc -shared` (cached by nvcc version, source and flags)."""
     nvcc = find_nvcc()
     if nvcc is None:
-        pytest.skip(
-            "nvcc not found (set NVCC, put it on PATH or install /usr/local/cuda): cannot build fatbins"
-        )
+        pytest.skip("nvcc not found (set NVCC, put it on PATH or install /usr/local/cuda): cannot build fatbins")
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
     out_dir = cache_root() / "nvcc-fatbin"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -145,9 +143,7 @@ def test_parse_capability_forms() -> None:
 
 
 def test_covers_reasons() -> None:
-    sgl = [
-        entry(n, c) for c in range(74) for n in ("sm_80", "sm_89", "sm_90", "sm_90a", "sm_100a", "sm_120a")
-    ]
+    sgl = [entry(n, c) for c in range(74) for n in ("sm_80", "sm_89", "sm_90", "sm_90a", "sm_100a", "sm_120a")]
     assert covers(sgl, "12.0") == (True, "sm_120a cubin ×74")
     assert covers(sgl, "12.1") == (False, "only sm_80…sm_120a cubins and no PTX: no kernel image for 12.1")
     fa3 = [entry("sm_80"), entry("sm_86"), entry("sm_90a")]

@@ -109,9 +109,7 @@ def test_symm_mem_on_sm100_is_available_unpatched(tmp_path: Path) -> None:
 
 @pytest.mark.network
 @pytest.mark.parametrize("flashinfer", ["0.6.3", "0.6.4"])
-def test_pinned_stack_fusion_is_unavailable_and_the_flag_a_silent_no_op(
-    tmp_path: Path, flashinfer: str
-) -> None:
+def test_pinned_stack_fusion_is_unavailable_and_the_flag_a_silent_no_op(tmp_path: Path, flashinfer: str) -> None:
     result = fusion(env(tmp_path, sglang="0.5.9", flashinfer=flashinfer))
     assert result["state"] == "unavailable"
     assert result["blocked_by"] == ["sglang-gate", "flashinfer-comm"]
@@ -176,9 +174,7 @@ def test_a_widened_sglang_gate_with_flashinfer_0_6_4_would_crash_like_the_seed(t
     widen_sglang_gate_to_sm120(sp)
     result = fusion(sp)
     assert (result["state"], result["blocked_by"]) == ("crashes", ["flashinfer-comm"])
-    assert (
-        "RuntimeError: No supported CUDA architectures found for major versions [9, 10]" in result["reason"]
-    )
+    assert "RuntimeError: No supported CUDA architectures found for major versions [9, 10]" in result["reason"]
 
 
 @pytest.mark.network
@@ -192,9 +188,7 @@ def test_a_widened_sglang_gate_with_flashinfer_0_6_17_is_available(tmp_path: Pat
 
 @pytest.mark.network
 def test_fusion_on_sm100_is_available_with_the_pinned_stack(tmp_path: Path) -> None:
-    assert (
-        fusion(env(tmp_path, sglang="0.5.9", flashinfer="0.6.4"), capability="10.0")["state"] == "available"
-    )
+    assert fusion(env(tmp_path, sglang="0.5.9", flashinfer="0.6.4"), capability="10.0")["state"] == "available"
 
 
 @pytest.mark.network

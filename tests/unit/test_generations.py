@@ -208,18 +208,13 @@ def test_an_install_into_one_generation_never_writes_through_into_another(stack,
         env=uv_env({"UV_CACHE_DIR": str(stack.root / "cache" / "uv")}), capture=True,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert (
-        "shared v2"
-        in next(new.env.glob("lib/python3.*/site-packages/fixture_shared/__init__.py")).read_text()
-    )
+    assert "shared v2" in next(new.env.glob("lib/python3.*/site-packages/fixture_shared/__init__.py")).read_text()
     assert shared_old.read_text() == "DATA = 'shared v1'\n"
     assert old.verify("full") == [], "the other generation still verifies byte for byte"
     assert new.verify("quick") != [], "the changed generation no longer matches its own manifest"
 
 
-@pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv to act as nobody"
-)
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv to act as nobody")
 def test_a_non_root_writer_cannot_modify_a_sealed_file(stack):
     stack.build("fixture-new", check=True)
     gen = _store(stack).active()

@@ -193,9 +193,7 @@ def _write_case(tmp_path: Path, mutation) -> Path:
 
 
 @pytest.mark.parametrize(("case", "mutation", "expected"), CASES, ids=[c[0] for c in CASES])
-def test_malformed_lock_gives_one_line_error_naming_the_key_and_exit_2(
-    tmp_path, capsys, case, mutation, expected
-):
+def test_malformed_lock_gives_one_line_error_naming_the_key_and_exit_2(tmp_path, capsys, case, mutation, expected):
     path = _write_case(tmp_path, mutation)
     before = path.read_bytes()
     rc = main(["--lock", str(path), "show", "--profile", "cu128"])

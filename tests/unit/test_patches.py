@@ -53,9 +53,7 @@ def sp059(tmp_path: Path) -> Path:
 
 def make_pyc(sp: Path, rel: str) -> Path:
     source = sp / rel
-    return Path(
-        py_compile.compile(str(source), cfile=importlib.util.cache_from_source(str(source)), doraise=True)
-    )
+    return Path(py_compile.compile(str(source), cfile=importlib.util.cache_from_source(str(source)), doraise=True))
 
 
 # ---------------------------------------------------------------------------------------------- sglang 0.5.9
@@ -280,15 +278,11 @@ def symm_mem_with_fake_torch(
     torch.device = lambda spec: spec
     torch.Tensor = FakeTensor
     torch.bfloat16 = BF16
-    torch.cuda = types.SimpleNamespace(
-        set_device=lambda d: None, get_device_capability=lambda d=None: (capability, 0)
-    )
+    torch.cuda = types.SimpleNamespace(set_device=lambda d: None, get_device_capability=lambda d=None: (capability, 0))
     torch.empty_like = lambda t: FakeTensor(t.n)
     record = lambda kind: lambda *a: calls.append(kind)  # noqa: E731
     torch.ops = types.SimpleNamespace(
-        symm_mem=types.SimpleNamespace(
-            multimem_all_reduce_=record("multimem"), two_shot_all_reduce_=record("two_shot")
-        )
+        symm_mem=types.SimpleNamespace(multimem_all_reduce_=record("multimem"), two_shot_all_reduce_=record("two_shot"))
     )
     dist = types.ModuleType("torch.distributed")
     dist.ProcessGroup = object
@@ -300,9 +294,7 @@ def symm_mem_with_fake_torch(
     utils = types.ModuleType("sglang.srt.utils")
     utils.is_cuda, utils.is_hip = (lambda: True), (lambda: False)
     environ = types.ModuleType("sglang.srt.environ")  # 0.5.16+
-    environ.envs = types.SimpleNamespace(
-        SGLANG_OPT_USE_INKLING_CUSTOM_AR=types.SimpleNamespace(get=lambda: False)
-    )
+    environ.envs = types.SimpleNamespace(SGLANG_OPT_USE_INKLING_CUSTOM_AR=types.SimpleNamespace(get=lambda: False))
     runtime = types.ModuleType("sglang.srt.runtime_context")  # 0.5.17+
     runtime.get_exec = runtime.get_server_args = lambda: None
     pkg = "sglang.srt.distributed.device_communicators"
@@ -319,9 +311,7 @@ def symm_mem_with_fake_torch(
         pkg: types.ModuleType(pkg),
     }.items():
         monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setitem(
-        sys.modules, f"{pkg}.all_reduce_utils", load_module(sp / UTILS, f"{pkg}.all_reduce_utils")
-    )
+    monkeypatch.setitem(sys.modules, f"{pkg}.all_reduce_utils", load_module(sp / UTILS, f"{pkg}.all_reduce_utils"))
     module = load_module(sp / SYMM, f"{pkg}.torch_symm_mem")
     monkeypatch.setitem(sys.modules, f"{pkg}.torch_symm_mem", module)
     comm = module.TorchSymmMemCommunicator(group=types.SimpleNamespace(group_name="tp"), device=0)
@@ -329,9 +319,7 @@ def symm_mem_with_fake_torch(
 
 
 @pytest.mark.network
-def test_unpatched_0_5_9_communicator_raises_keyerror_12_on_sm120(
-    sp059: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_unpatched_0_5_9_communicator_raises_keyerror_12_on_sm120(sp059: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(KeyError) as caught:
         symm_mem_with_fake_torch(monkeypatch, sp059, capability=12, world_size=8, multicast_ptr=1)
     assert caught.value.args == (12,)
@@ -411,9 +399,7 @@ def test_a_release_without_the_communicator_is_refused_as_unsupported(tmp_path: 
     [state] = patches.status(sp, [PATCH])
     assert state.state == "unsupported-version"
     assert "no TorchSymmMemCommunicator" in state.reason
-    with pytest.raises(
-        PatchRefusedError, match=r"is not supported: this sglang has no TorchSymmMemCommunicator"
-    ):
+    with pytest.raises(PatchRefusedError, match=r"is not supported: this sglang has no TorchSymmMemCommunicator"):
         patches.apply(sp, [PATCH])
 
 

@@ -124,7 +124,9 @@ def test_without_the_waiver_exactly_the_nvcc_checks_fail_and_say_why(real):
 def test_the_same_env_checked_against_cu130_fails_with_specific_messages(real):
     code, checks = _verify(real, "--profile", "cu130", "--skip", NVCC_WAIVER)
     assert code == 1
-    assert "built for CUDA 12.8, profile cu130 expects 13.0" in checks["torch_cuda_version_matches_the_profile"]["message"]
+    assert (
+        "built for CUDA 12.8, profile cu130 expects 13.0" in checks["torch_cuda_version_matches_the_profile"]["message"]
+    )
     assert "libcudart.so.12" in checks["every_extension_needs_the_libcudart_major_of_torch"]["message"]
     assert "torch 2.9.1 (locked 2.9.1+cu130)" in checks["every_pinned_package_is_at_the_locked_version"]["message"]
 
@@ -149,7 +151,7 @@ def test_sgl_kernel_against_torch_2_8_fails_the_abi_check_naming_the_symbol(real
         env=uv_env({"UV_CACHE_DIR": str(real.store.layout.uv_cache)}), capture=True,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-1000:]
-    code, checks = _verify(real, "--profile", "cu128", "--env", str(twin_env), "--skip", NVCC_WAIVER)
+    _code, checks = _verify(real, "--profile", "cu128", "--env", str(twin_env), "--skip", NVCC_WAIVER)
     message = checks["every_torch_symbol_extensions_need_is_exported_by_the_installed_torch"]["message"]
     assert "sgl_kernel/sm100/common_ops.abi3.so" in message
     assert "c10::SymInt::maybe_as_int_slow_path() const" in message

@@ -156,7 +156,11 @@ def _hand_made_env(stack) -> Path:
     from bwstack.uvtool import run_uv, uv_env
 
     subprocess.run([find_python("3.12"), "-m", "venv", "--without-pip", str(stack.ml_env)], check=True)
-    old = [p for p in stack.wheelhouse.iterdir() if p.name.startswith(("torch-2.9.1-", "fixture_dep-1.0", "fixture_shared"))]
+    old = [
+        p
+        for p in stack.wheelhouse.iterdir()
+        if p.name.startswith(("torch-2.9.1-", "fixture_dep-1.0", "fixture_shared"))
+    ]
     result = run_uv(
         ["pip", "install", "--python", str(stack.ml_env / "bin" / "python"), "--no-deps", *map(str, old)],
         env=uv_env(), capture=True,
@@ -206,12 +210,16 @@ def test_archive_restores_on_a_clean_root_and_imports(stack, tmp_path):
     archive = tmp_path / "gen.tar.zst"
     result = json.loads(stack.run("backup", "--archive", str(archive), "--json", check=True).stdout)
     assert archive.is_file() and Path(f"{archive}.sha256").read_text().split()[0] == result["archive"]["sha256"]
-    clean = {"BWSTACK_ROOT": str(tmp_path / "new-root"), "BWSTACK_ML_ENV": str(tmp_path / "new-ml-env"), "BWSTACK_CUDA_LINK": "none"}
+    clean = {
+        "BWSTACK_ROOT": str(tmp_path / "new-root"),
+        "BWSTACK_ML_ENV": str(tmp_path / "new-ml-env"),
+        "BWSTACK_CUDA_LINK": "none",
+    }
     restored = stack.run("restore", str(archive), "--json", check=True, extra_env=clean)
     payload = json.loads(restored.stdout)
     assert payload["switch"]["post_check"]["torch"] == "2.9.1"
-    out = subprocess.run([str(tmp_path / "new-ml-env" / "bin" / "python"), "-c", "import torch; print(torch.version.cuda)"],
-                         capture_output=True, text=True, check=True)  # fmt: skip
+    python = str(tmp_path / "new-ml-env" / "bin" / "python")
+    out = subprocess.run([python, "-c", "import torch; print(torch.version.cuda)"], capture_output=True, text=True)
     assert out.stdout.strip() == "12.8"
 
 
@@ -237,7 +245,9 @@ def tiny_fs(tmp_path):
         pytest.skip("mounting a tmpfs needs root")
     mount = tmp_path / "tiny"
     mount.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
     if result.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
     yield mount
