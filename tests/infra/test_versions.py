@@ -3,6 +3,7 @@ lock's overrides known; FlashInfer's three packages agree (it refuses to import 
 
 from __future__ import annotations
 
+import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
@@ -75,7 +76,7 @@ def test_flashinfer_python_cubin_and_jit_cache_versions_agree(env):
         assert "flashinfer-cubin" not in installed and "flashinfer-jit-cache" not in installed, (
             "flashinfer-cubin/-jit-cache are installed without flashinfer-python"
         )
-        return
+        pytest.skip("flashinfer is not installed in this env")
     cubin = installed.get("flashinfer-cubin", {}).get("version")
     jit = installed.get("flashinfer-jit-cache", {}).get("version")
     assert cubin in (None, python), (
