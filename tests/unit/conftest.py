@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -82,6 +83,30 @@ def stack(tmp_path: Path):
 
     s.build = build
     return s
+
+
+SLOW_TIER_MIN_FREE_GIB = 45  # the real cu128 env (10 GB), its wheels (5 GB), uv's cache, a copy for restore
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow tier runs when the machine has room for it (BWSTACK_SLOW=1 forces it, =0 skips it)."""
+    choice = os.environ.get("BWSTACK_SLOW", "auto")
+    if choice == "1":
+        return
+    free = shutil.disk_usage(os.environ.get("TMPDIR", "/tmp")).free / 2**30
+    if choice == "0":
+        reason = "slow tier switched off (BWSTACK_SLOW=0)"
+    elif free < SLOW_TIER_MIN_FREE_GIB:
+        reason = (
+            f"slow tier needs {SLOW_TIER_MIN_FREE_GIB} GiB free, this machine has {free:.0f} GiB "
+            "(BWSTACK_SLOW=1 forces it)"
+        )
+    else:
+        return
+    skip = pytest.mark.skip(reason=reason)
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
 
 
 def have_python312() -> bool:
