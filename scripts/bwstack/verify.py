@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,11 +112,25 @@ def run_checks(
     args += extra_args or []
     collector = _Collector()
     sink = io.StringIO()
-    with contextlib.redirect_stdout(sink):
-        code = pytest.main(args, plugins=[collector])
-    if code in (pytest.ExitCode.USAGE_ERROR, pytest.ExitCode.INTERNAL_ERROR, pytest.ExitCode.NO_TESTS_COLLECTED):
-        tail = " ".join(sink.getvalue().strip().splitlines()[-3:])
-        raise UsageError(f"the checks could not run against {target}: {tail}")
+    # testinfra's ansible backend runs ansible-inventory: the one installed beside this interpreter
+    bindir = str(Path(sys.executable).parent)
+    old_path = os.environ.get("PATH", "")
+    os.environ["PATH"] = f"{bindir}:{old_path}"
+    try:
+        with contextlib.redirect_stdout(sink):
+            code = pytest.main(args, plugins=[collector])
+    finally:
+        os.environ["PATH"] = old_path
+    failed_to_run = (
+        pytest.ExitCode.USAGE_ERROR,
+        pytest.ExitCode.INTERNAL_ERROR,
+        pytest.ExitCode.NO_TESTS_COLLECTED,
+        pytest.ExitCode.INTERRUPTED,
+    )
+    if code in failed_to_run or not collector.results:
+        lines = [line for line in sink.getvalue().strip().splitlines() if line.startswith(("E ", "ERROR"))]
+        detail = " ".join(line.removeprefix("E").strip() for line in lines[-3:]) or sink.getvalue()[-300:]
+        raise UsageError(f"the checks could not run against {target}: {detail}")
     return collector.results
 
 
