@@ -104,7 +104,8 @@ class Step:
                 f"bwstack-step: the build server's bwstack is {info['digest']}, the build args say {want}: "
                 "two builds on one port? (bwstack image build --build-port)"
             )
-        log(f"bwstack {info['bwstack_version']} (tool digest {info['digest'][:19]}, {size >> 20} MiB), uv {info['uv_version']}")
+        digest = info["digest"][:19]
+        log(f"bwstack {info['bwstack_version']} (tool digest {digest}, {size >> 20} MiB), uv {info['uv_version']}")
 
     def fetch_wheels(self, files: list[str]) -> None:
         start = time.monotonic()
@@ -114,7 +115,9 @@ class Step:
 
         with ThreadPoolExecutor(max_workers=4) as pool:
             total = sum(pool.map(one, files))
-        log(f"fetched {len(files)} wheels ({total >> 20} MiB) from the build server in {time.monotonic() - start:.1f} s")
+        log(
+            f"fetched {len(files)} wheels ({total >> 20} MiB) from the build server in {time.monotonic() - start:.1f} s"
+        )
 
     def bwstack(self, *args: str, capture: bool = False) -> str:
         env = dict(os.environ)
@@ -166,8 +169,10 @@ def step_toolkit(step: Step, keyfile: str) -> None:
         if os.path.exists(nvcc):
             out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False).stdout
             version = out.strip().splitlines()[-1] if out.strip() else ""
-        log(f"the base image has a CUDA toolkit at /usr/local/cuda -> {os.path.realpath('/usr/local/cuda')} "
-            f"({version or 'no nvcc'}); not installing one (bwstack verify checks it against the lock)")
+        log(
+            f"the base image has a CUDA toolkit at /usr/local/cuda -> {os.path.realpath('/usr/local/cuda')} "
+            f"({version or 'no nvcc'}); not installing one (bwstack verify checks it against the lock)"
+        )
         return
     home = key["home"]
     files = [f for _, f, _ in requirement_files(os.path.join(os.path.dirname(keyfile), key["requirements"]))]

@@ -91,10 +91,23 @@ active_before:
   returned: always
 """
 
-import json
-import os
+import json  # noqa: E402 - Ansible modules keep their documentation first
+import os  # noqa: E402
 
-from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.basic import AnsibleModule  # noqa: E402
+
+
+def _parse_json(out: str):
+    """bwstack's JSON document; a log line printed before it (some commands do) is skipped."""
+    if not out.strip():
+        return {}
+    starts = [0] + [i + 1 for i, ch in enumerate(out) if ch == "\n" and out[i + 1 : i + 2] in ("{", "[")]
+    for start in starts:
+        try:
+            return json.loads(out[start:])
+        except ValueError:
+            continue
+    return None
 
 
 def _store_args(p: dict) -> list[str]:
@@ -136,9 +149,8 @@ class Runner:
             self.module.fail_json(
                 msg=message, rc=rc, cmd=cmd, stderr_lines=lines[-40:], busy=rc == 3, active_before=None
             )
-        try:
-            payload = json.loads(out) if out.strip() else {}
-        except ValueError:
+        payload = _parse_json(out)
+        if payload is None:
             self.module.fail_json(msg=f"bwstack printed no JSON: {out[-500:]}", rc=rc, cmd=cmd, active_before=None)
         return rc, payload, err
 
@@ -251,7 +263,10 @@ def do_cuda(r: Runner) -> dict:
         "active_before": None,
         "msg": result.get("note") or "",
         "log": err.strip().splitlines()[-60:],
-        "diff": {"before": before, "after": f"{result.get('home')}: CUDA {result.get('version')} ({result.get('managed_by')})\n"},
+        "diff": {
+            "before": before,
+            "after": f"{result.get('home')}: CUDA {result.get('version')} ({result.get('managed_by')})\n",
+        },
     }
 
 
@@ -284,10 +299,14 @@ def main() -> None:
                 msg=f"bwstack is not installed on this node yet ({module.params['bwstack']}): "
                 f"a real run would install it and {module.params['action']} "
                 f"{module.params['profile'] or 'the default profile'}",
-                diff={"before": "(bwstack not installed)\n", "after": f"{module.params['action']} {module.params['profile']}\n"},
+                diff={
+                    "before": "(bwstack not installed)\n",
+                    "after": f"{module.params['action']} {module.params['profile']}\n",
+                },
             )
         module.fail_json(
-            msg=f"bwstack is not installed at {module.params['bwstack']}: run the bwstack_tool role (provision.yml) first",
+            msg=f"bwstack is not installed at {module.params['bwstack']}: "
+            "run the bwstack_tool role (provision.yml) first",
             active_before=None,
         )
     result = {"build": do_build, "rollback": do_rollback, "cuda": do_cuda}[module.params["action"]](runner)

@@ -105,7 +105,8 @@ class Bench:
         self.runs = runs
         self.quick = quick
         self.log = log
-        self.cache = work / "cache"  # shared by every store below: wheels and uv's unpacked cache
+        # One cache for every store below (wheels and uv's unpacked files); an existing BWSTACK_CACHE is reused.
+        self.cache = Path(os.environ.get("BWSTACK_CACHE") or work / "cache")
         os.environ["BWSTACK_CACHE"] = str(self.cache)
         self.lock_path = work / "bench.lock.yaml"
         self._write_lock(lock_path, profile)

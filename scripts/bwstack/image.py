@@ -143,7 +143,7 @@ def stage_context(lock, profile, dest: Path, dockerfile: Path) -> StagedContext:
     layers_dir.mkdir(parents=True, exist_ok=True)
     rendered = requirements.render_layers(profile, closure.env, lock.image_layers)
     layer_files = {}
-    for i, (name, file_name) in enumerate(zip(rendered, want), 1):
+    for i, (name, file_name) in enumerate(zip(rendered, want, strict=True), 1):
         header = (
             f"# bwstack image layer {i}/{len(rendered)} ({name}) of profile {profile.name}: hash-pinned, "
             "rendered from the lock (the image's lock digest is in its labels)"
@@ -172,9 +172,7 @@ def stage_context(lock, profile, dest: Path, dockerfile: Path) -> StagedContext:
     }
     (toolkit / "toolkit.json").write_text(json.dumps(key, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     target = Target.of(profile)
-    return StagedContext(
-        dest, layer_files, select(closure.env, target), select(closure.cuda_toolkit, target)
-    )
+    return StagedContext(dest, layer_files, select(closure.env, target), select(closure.cuda_toolkit, target))
 
 
 # ------------------------------------------------------------------------------------------------ the tool
@@ -279,7 +277,7 @@ class BuildServer:
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.0"
 
-            def log_message(self, format: str, *args) -> None:  # noqa: A002
+            def log_message(self, format: str, *args) -> None:
                 pass
 
             def do_HEAD(self) -> None:
@@ -454,9 +452,9 @@ def gather_wheels(
         else:
             missing[name] = (pkg, wheel)
     if missing and offline:
-        listed = ", ".join(sorted(w.file for _, w in missing.values())[:6])
+        listed = ", ".join(sorted(w.file for _, w in missing.values())[:6]) + (" ..." if len(missing) > 6 else "")
         raise BwstackError(
-            f"--offline: {len(missing)} wheel(s) are in no --wheelhouse ({listed}{' ...' if len(missing) > 6 else ''}); "
+            f"--offline: {len(missing)} wheel(s) are in no --wheelhouse ({listed}); "
             "fill one with `bwstack fetch --profile P --part all --dest DIR`"
         )
     if missing:
@@ -482,6 +480,7 @@ class BuildOptions:
     port: int = DEFAULT_BUILD_PORT
     store: str | None = None
     context_dir: str | None = None
+    cache_from: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -518,18 +517,24 @@ def _build_args(lock, profile, base: str, server_url: str, tool: ToolBundle, all
     }
 
 
-def run_build(client, context: Path, tag: str, buildargs: dict, *, no_cache: bool, log: Log) -> tuple[str, list[Step]]:
-    """docker-py's build (the classic builder), streamed: (image id, steps with timings and cache hits)."""
+def run_build(
+    client, context: Path, tag: str, buildargs: dict, *, no_cache: bool, log: Log, cache_from: list[str] | None = None
+) -> tuple[str, list[Step], list[str]]:
+    """docker-py's build (the classic builder), streamed: (image id, steps with timings and cache hits, the
+    image that ends each build stage: what a later build's --cache-from needs, every stage's, not only the
+    last one's, or the classic builder rebuilds the toolkit stage)."""
     from docker.errors import APIError
 
     steps: list[Step] = []
+    stage_images: list[str] = []
+    current = None
     started = time.monotonic()
     image_id = None
     last_line = ""
     try:
         stream = client.api.build(
             path=str(context), tag=tag, buildargs=buildargs, rm=True, forcerm=True, pull=False,
-            nocache=no_cache, decode=True,
+            nocache=no_cache, decode=True, cache_from=cache_from or None,
         )  # fmt: skip
         for chunk in stream:
             if "error" in chunk:
@@ -544,9 +549,14 @@ def run_build(client, context: Path, tag: str, buildargs: dict, *, no_cache: boo
                     if steps:
                         steps[-1].seconds = round(now - started, 2)
                     started = now
-                    steps.append(Step(int(match.group(1)), match.group(3)[:160]))
+                    steps.append(Step(int(match.group(1)), match.group(3)))
+                    if match.group(3).startswith("FROM ") and current:
+                        stage_images.append(current)
+                    current = None
                 elif line.strip() == "---> Using cache" and steps:
                     steps[-1].cached = True
+                elif re.match(r"^ ---> [0-9a-f]{12}$", line):
+                    current = line.split()[-1]
                 if line.strip():
                     last_line = line
                     log(line.rstrip())
@@ -559,13 +569,17 @@ def run_build(client, context: Path, tag: str, buildargs: dict, *, no_cache: boo
         if not match:
             raise BwstackError(f"image build ended without an image: {last_line}")
         image_id = match.group(1)
-    return image_id, steps
+    return image_id, steps, [*stage_images, image_id]
+
+
+def _default_store() -> Path:
+    from bwstack.generations import Layout
+
+    return Layout.default().wheel_store
 
 
 def build(lock, profile, opts: BuildOptions, log: Log = _stderr) -> dict:
     """Build the profile's serving image; returns what was built (tag, id, size, timings, cache hits)."""
-    from bwstack.generations import Layout
-
     if opts.ca_bundle and not Path(opts.ca_bundle).is_file():
         raise UsageError(f"--ca-bundle {opts.ca_bundle}: no such file")
     if opts.ca_bundle:  # the host-side downloads use it too, like every bwstack command
@@ -583,12 +597,16 @@ def build(lock, profile, opts: BuildOptions, log: Log = _stderr) -> dict:
         has_cuda = base_has_cuda(client, base)
         log(
             f"base {base}: "
-            + ("has /usr/local/cuda (used as is)" if has_cuda else f"no CUDA toolkit: CUDA {profile.cuda.version} from the lock's PyPI wheels")
+            + (
+                "has /usr/local/cuda (used as is)"
+                if has_cuda
+                else f"no CUDA toolkit: CUDA {profile.cuda.version} from the lock's PyPI wheels"
+            )
         )
         selection = dict(staged.env_selection)
         if not has_cuda:
             selection.update(staged.toolkit_selection)
-        store = Path(opts.store) if opts.store else Layout.default().wheel_store
+        store = Path(opts.store) if opts.store else _default_store()
         wheels = gather_wheels(
             selection, opts.wheelhouses, offline=opts.offline, store=store,
             allow_unhashed=opts.allow_unhashed, log=log,
@@ -606,7 +624,9 @@ def build(lock, profile, opts: BuildOptions, log: Log = _stderr) -> dict:
             args = _build_args(lock, profile, base, server.url, tool, allowed)
             log(f"building {tag} from {base}: {len(wheels)} wheels served at {server.url} ({tool.size >> 20} MiB tool)")
             t1 = time.monotonic()
-            image_id, steps = run_build(client, context, tag, args, no_cache=opts.no_cache, log=log)
+            image_id, steps, stage_images = run_build(
+                client, context, tag, args, no_cache=opts.no_cache, log=log, cache_from=opts.cache_from
+            )
             build_seconds = time.monotonic() - t1
             served = server.bytes_sent
     image = client.images.get(image_id)
@@ -623,6 +643,7 @@ def build(lock, profile, opts: BuildOptions, log: Log = _stderr) -> dict:
         "build_seconds": round(build_seconds, 1),
         "steps": [s.__dict__ for s in steps],
         "cached_steps": sum(s.cached for s in steps),
+        "stage_images": stage_images,
         "wheels": len(wheels),
         "bytes_served": served,
     }
@@ -697,6 +718,27 @@ class _StreamReader(io.RawIOBase):
         return n
 
 
+class _HashingReader(io.RawIOBase):
+    """Reads through a file object, hashing what passes (a saved layer's sha256 is its diff id)."""
+
+    def __init__(self, raw) -> None:
+        self._raw = raw
+        self.digest = hashlib.sha256()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, target) -> int:
+        data = self._raw.read(len(target))
+        self.digest.update(data)
+        target[: len(data)] = data
+        return len(data)
+
+    def drain(self) -> None:
+        while data := self._raw.read(1 << 20):
+            self.digest.update(data)
+
+
 def pem_needles(pem_text: str) -> list[bytes]:
     """One distinctive base64 line from each certificate in a PEM bundle (what a copy of it would contain)."""
     needles = []
@@ -715,40 +757,28 @@ def scan_image(client, image: str, needles: list[bytes], skip_layers: Iterable[s
     if not needles:
         return []
     overlap = max(len(n) for n in needles)
-    outer = tarfile.open(fileobj=io.BufferedReader(_StreamReader(client.api.get_image(image)), 1 << 20), mode="r|")
-    for member in outer:
-        if not member.name.endswith("layer.tar"):
-            continue
-        raw = outer.extractfile(member)
-        digest = hashlib.sha256()
-
-        class Hashing(io.RawIOBase):
-            def readable(self) -> bool:
-                return True
-
-            def readinto(self, target) -> int:
-                data = raw.read(len(target))
-                digest.update(data)
-                target[: len(data)] = data
-                return len(data)
-
-        layer_hits = []
-        with tarfile.open(fileobj=io.BufferedReader(Hashing(), 1 << 20), mode="r|") as inner:
-            for item in inner:
-                if not item.isfile():
-                    continue
-                handle = inner.extractfile(item)
-                tail = b""
-                while chunk := handle.read(1 << 20):
-                    window = tail + chunk
-                    if any(n in window for n in needles):
-                        layer_hits.append(item.name)
-                        break
-                    tail = window[-overlap:]
-            while raw.read(1 << 20):  # the rest of the layer, for its digest
-                pass
-        diff_id = "sha256:" + digest.hexdigest()
-        hits += [(diff_id, name) for name in layer_hits if diff_id not in skip]
+    chunks = client.api.get_image(image)
+    with tarfile.open(fileobj=io.BufferedReader(_StreamReader(chunks), 1 << 20), mode="r|") as outer:
+        for member in outer:
+            if not member.name.endswith("layer.tar"):
+                continue
+            layer = _HashingReader(outer.extractfile(member))
+            layer_hits = []
+            with tarfile.open(fileobj=io.BufferedReader(layer, 1 << 20), mode="r|") as inner:
+                for item in inner:
+                    if not item.isfile():
+                        continue
+                    handle = inner.extractfile(item)
+                    tail = b""
+                    while chunk := handle.read(1 << 20):
+                        window = tail + chunk
+                        if any(n in window for n in needles):
+                            layer_hits.append(item.name)
+                            break
+                        tail = window[-overlap:]
+            layer.drain()  # the rest of the layer, for its digest
+            diff_id = "sha256:" + layer.digest.hexdigest()
+            hits += [(diff_id, name) for name in layer_hits if diff_id not in skip]
     return [f"{d[:19]}: {n}" for d, n in hits]
 
 
@@ -791,13 +821,15 @@ def verify(
         with contextlib.suppress(Exception):
             base_layers = client.images.get(labels.get(LABEL_BASE, "")).attrs["RootFS"]["Layers"]
         hits = scan_image(client, img.id, needles, base_layers)
-        results.append(CheckResult("image", "image_layers_hold_no_copy_of_the_ca", "failed" if hits else "passed",
-                                   "; ".join(hits[:5]) if hits else f"{len(needles)} certificate(s) searched"))  # fmt: skip
+        message = "; ".join(hits[:5]) if hits else f"{len(needles)} certificate(s) searched"
+        outcome = "failed" if hits else "passed"
+        results.append(CheckResult("image", "image_layers_hold_no_copy_of_the_ca", outcome, message))
     device_requests = None
     if gpus:
         count = -1 if gpus == "all" else int(gpus)
         device_requests = [DeviceRequest(count=count, capabilities=[["gpu"]])]
-    container_name = f"bwstack-verify-{uuid.uuid4().hex[:12]}"
+    # no "-" in the name: the check report splits pytest ids at the first "-"
+    container_name = f"bwstack_verify_{uuid.uuid4().hex[:12]}"
     container = client.containers.run(
         img.id, entrypoint=["sleep"], command=["infinity"], detach=True, name=container_name,
         labels={"io.bwstack.verify": image}, device_requests=device_requests,
@@ -839,8 +871,17 @@ def bench_rebuild(
     if changed != [list(a)[-1]]:
         log(f"WARNING: the two locks differ in layers {changed or 'none'}, not in the last (app) layer only")
     base = BuildOptions(**(opts.__dict__ if opts else {}))
+    # lock B's wheels before the long clean build, so a missing one fails now, not ten minutes in
+    store = Path(base.store) if base.store else _default_store()
+    with tempfile.TemporaryDirectory(prefix="bwstack-bench-") as tmp:
+        selection = stage_context(second, prof_b, Path(tmp), docker_dir() / "Dockerfile").env_selection
+    gather_wheels(selection, base.wheelhouses, offline=base.offline, store=store,
+                  allow_unhashed=base.allow_unhashed, log=log)  # fmt: skip
     clean = build(first, prof_a, BuildOptions(**{**base.__dict__, "no_cache": True}), log=log)
-    bump = build(second, prof_b, BuildOptions(**{**base.__dict__, "no_cache": False}), log=log)
+    _stderr(f"bench-rebuild: clean build of {clean['tag']}: {clean['build_seconds']:.1f} s")
+    # B's cache is exactly A's chain (--cache-from): no intermediate image of an earlier run can serve B
+    bump_opts = {**base.__dict__, "no_cache": False, "cache_from": clean["stage_images"]}
+    bump = build(second, prof_b, BuildOptions(**bump_opts), log=log)
     ratio = bump["build_seconds"] / clean["build_seconds"] if clean["build_seconds"] else float("nan")
     rebuilt = [s["instruction"][:60] for s in bump["steps"] if not s["cached"] and s["instruction"].startswith("RUN")]
     result = {
@@ -880,6 +921,7 @@ def _options(args: argparse.Namespace) -> BuildOptions:
         port=args.build_port,
         store=args.store,
         context_dir=getattr(args, "context_dir", None),
+        cache_from=list(getattr(args, "cache_from", None) or []),
     )
 
 
@@ -927,13 +969,28 @@ def _build_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", help="the lock's profile (default: its default_profile)")
     p.add_argument("--wheelhouse", action="append", help="directory of wheels, used first by file name (repeatable)")
     p.add_argument("--offline", action="store_true", help="use only --wheelhouse: download nothing")
-    p.add_argument("--ca-bundle", help="CA bundle for the host's downloads and apt inside the build; never kept in the image")
-    p.add_argument("--tag", help="image tag; {profile} and {digest} are filled in (default: %s)" % TAG_TEMPLATE.replace("{", "{{").replace("}", "}}"))
+    p.add_argument(
+        "--ca-bundle",
+        help="CA bundle for the host's downloads and apt inside the build; never kept in the image",
+    )
+    p.add_argument(
+        "--tag",
+        help="image tag; {profile} and {digest} are filled in (default: bwstack/sglang:{profile}-{digest})",
+    )
     p.add_argument("--base-image", help="base image (default: the profile's cuda.docker_base)")
-    p.add_argument("--allow-unhashed", action="append", metavar="NAME",
-                   help="build with NAME although the lock has no sha256 for it")
-    p.add_argument("--build-port", type=int, default=DEFAULT_BUILD_PORT,
-                   help="port of the build's file server on the Docker bridge (default %(default)s; a fixed port keeps the layer cache)")
+    p.add_argument(
+        "--allow-unhashed",
+        action="append",
+        metavar="NAME",
+        help="build with NAME although the lock has no sha256 for it",
+    )
+    p.add_argument(
+        "--build-port",
+        type=int,
+        default=DEFAULT_BUILD_PORT,
+        help="port of the build's file server on the Docker bridge (default %(default)s; "
+        "a fixed port keeps the layer cache)",
+    )
     p.add_argument("--store", help="wheel store for downloads (default: bwstack's, e.g. /opt/bwstack/cache/wheels)")
     p.add_argument("--quiet", action="store_true", help="do not stream the build's output")
     p.add_argument("--json", action="store_true")
@@ -944,25 +1001,43 @@ def register(sub: argparse._SubParsersAction) -> None:
     image = sub.add_parser("image", help="the serving image from the lock: build (Docker SDK), verify, bench-rebuild")
     isub = image.add_subparsers(dest="image_command", metavar="ACTION", required=True)
 
-    p = isub.add_parser("build", help="build the profile's SGLang image (offline from a wheelhouse, layer per lock layer)")
+    p = isub.add_parser(
+        "build", help="build the profile's SGLang image (offline from a wheelhouse, layer per lock layer)"
+    )
     _build_flags(p)
     p.add_argument("--no-cache", action="store_true", help="rebuild every layer")
+    p.add_argument(
+        "--cache-from",
+        action="append",
+        metavar="IMAGE",
+        help="use only IMAGE's layers (repeatable) as the build cache, e.g. the previous release",
+    )
     p.add_argument("--context-dir", help="stage the build context here (kept) instead of a temporary directory")
     p.set_defaults(func=cmd_build)
 
     p = isub.add_parser("verify", help="run the node checks and image checks against a container of IMAGE")
     p.add_argument("image")
     p.add_argument("--profile", help="profile to check against (default: the image's io.bwstack.profile label)")
-    p.add_argument("--skip", action="append", metavar="CHECK=REASON",
-                   help="waive checks whose name contains CHECK, with the reason shown in the report")
+    p.add_argument(
+        "--skip",
+        action="append",
+        metavar="CHECK=REASON",
+        help="waive checks whose name contains CHECK, with the reason shown in the report",
+    )
     p.add_argument("--no-runtime", action="store_true", help="skip the GPU runtime probes")
     p.add_argument("--gpus", help="give the container GPUs: all or a count (needs the NVIDIA container toolkit)")
-    p.add_argument("--scan-ca", metavar="PEM",
-                   help="also search every layer the build added for the certificates in PEM (streams docker save)")
+    p.add_argument(
+        "--scan-ca",
+        metavar="PEM",
+        help="also search every layer the build added for the certificates in PEM (streams docker save)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_verify)
 
-    p = isub.add_parser("bench-rebuild", help="clean build of --lock, then rebuild with --lock-b (an app-only bump): times and ratio")
+    p = isub.add_parser(
+        "bench-rebuild",
+        help="clean build of --lock, then rebuild with --lock-b (an app-only bump): times and ratio",
+    )
     p.add_argument("--lock-b", required=True, help="the bumped lock (differs from --lock in the app layer only)")
     _build_flags(p)
     p.set_defaults(func=cmd_bench)

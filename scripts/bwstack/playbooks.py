@@ -98,8 +98,26 @@ def write_probe(directory: Path) -> Path:
     return path
 
 
+_COPY_IGNORE = shutil.ignore_patterns(
+    ".git",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    "*.pyc",
+    ".venv",
+    ".pytest_cache",
+    ".ruff_cache",
+    ".bench",
+    ".artifacts",
+    ".whl",
+    ".cache",
+)
+
+
 def build_wheel(directory: Path) -> dict:
-    """`pip wheel --no-deps` of the checkout, reproducible, placed atomically in `directory`."""
+    """`pip wheel --no-deps` of a clean copy of the checkout (no stale build/ files), reproducible, placed
+    atomically in `directory`."""
     src = source_tree()
     if src is None:
         raise UsageError(
@@ -107,11 +125,14 @@ def build_wheel(directory: Path) -> dict:
             "set bwstack_tool_wheel to a bwstack wheel on the controller"
         )
     with tempfile.TemporaryDirectory(prefix="bwstack-wheel-") as tmp:
+        copy = Path(tmp) / "src"
+        shutil.copytree(src, copy, ignore=_COPY_IGNORE, symlinks=True)
+        out = Path(tmp) / "out"
         result = subprocess.run(
-            [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "--wheel-dir", tmp, str(src)],
+            [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "--wheel-dir", str(out), str(copy)],
             capture_output=True, text=True, env={**os.environ, "SOURCE_DATE_EPOCH": SOURCE_DATE_EPOCH},
         )  # fmt: skip
-        wheels = sorted(Path(tmp).glob("bwstack-*.whl"))
+        wheels = sorted(out.glob("bwstack-*.whl"))
         if result.returncode != 0 or len(wheels) != 1:
             tail = (result.stderr or result.stdout).strip()[-800:]
             raise BwstackError(f"could not build the bwstack wheel from {src}: {tail}")
@@ -275,7 +296,9 @@ def run_playbook(playbook: str, args: argparse.Namespace, extra_vars: dict) -> i
             print("bwstack: interrupted", file=sys.stderr)
             return 130
     if code != 0:
-        print(f"bwstack: error: ansible-playbook {playbook} failed (exit {code}); see the output above", file=sys.stderr)
+        print(
+            f"bwstack: error: ansible-playbook {playbook} failed (exit {code}); see the output above", file=sys.stderr
+        )
         return 1
     return 0
 
@@ -311,15 +334,24 @@ def register(sub: argparse._SubParsersAction) -> None:
         "provision",
         help="run the provision playbook (preflight, CUDA, env, verify) on local://, ssh:// or ansible:// targets",
     )
-    p.add_argument("--target", default="local://",
-                   help="local:// (default), ssh://[user@]host[:port][,ssh://...], or ansible://INVENTORY[?limit=...&group=...]")
+    p.add_argument(
+        "--target",
+        default="local://",
+        help="local:// (default), ssh://[user@]host[:port][,ssh://...], or ansible://INVENTORY[?limit=...&group=...]",
+    )
     p.add_argument("--profile", help="the lock's profile (default: its default_profile)")
     p.add_argument("--check", action="store_true", help="report what would change; change nothing")
     p.add_argument("--diff", action="store_true", help="show the planned changes as diffs")
-    p.add_argument("--cuda-method", choices=["pip", "apt", "none"],
-                   help="how the profile's CUDA toolkit is installed (default pip; none: managed elsewhere)")
-    p.add_argument("--allow-no-gpu", action="store_true",
-                   help="accept CPU-only targets (containers, CI); said loudly in the output")
+    p.add_argument(
+        "--cuda-method",
+        choices=["pip", "apt", "none"],
+        help="how the profile's CUDA toolkit is installed (default pip; none: managed elsewhere)",
+    )
+    p.add_argument(
+        "--allow-no-gpu",
+        action="store_true",
+        help="accept CPU-only targets (containers, CI); said loudly in the output",
+    )
     p.add_argument("--min-free-gb", type=float, help="free disk the preflight requires at the store (default 40)")
     _add_store_and_sources(p)
     p.set_defaults(func=cmd_provision)
@@ -336,10 +368,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_playbook_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--verify-skip", action="append", metavar="CHECK=REASON",
-                   help="waive a verify check on the targets, with the reason (shown in the report)")
-    p.add_argument("-e", "--extra-vars", action="append", metavar="VARS",
-                   help="passed to ansible-playbook -e (repeatable)")
+    p.add_argument(
+        "--verify-skip",
+        action="append",
+        metavar="CHECK=REASON",
+        help="waive a verify check on the targets, with the reason (shown in the report)",
+    )
+    p.add_argument(
+        "-e", "--extra-vars", action="append", metavar="VARS", help="passed to ansible-playbook -e (repeatable)"
+    )
 
 
 def _add_store_and_sources(p: argparse.ArgumentParser) -> None:
@@ -350,6 +387,10 @@ def _add_store_and_sources(p: argparse.ArgumentParser) -> None:
     p.add_argument("--index", action="append", metavar="NAME=URL", help="a mirror for one of the lock's indexes")
     p.add_argument("--offline", action="store_true", help="use only --wheelhouse (and the node's wheel store)")
     p.add_argument("--ca-bundle", help="CA bundle on the targets for TLS (always verified)")
-    p.add_argument("--allow-unhashed", action="append", metavar="NAME",
-                   help="install NAME although the lock has no sha256 for it (recorded as unverified)")
+    p.add_argument(
+        "--allow-unhashed",
+        action="append",
+        metavar="NAME",
+        help="install NAME although the lock has no sha256 for it (recorded as unverified)",
+    )
     _add_playbook_options(p)
