@@ -351,9 +351,10 @@ def cmd_cuda(args: argparse.Namespace) -> int:
         return 0 if st.exists else 1
     _apply_ca(args)
     layout = _layout(args)
-    fetcher = Fetcher(layout.wheel_store, Sources.parse(args.wheelhouse or (), args.index or (), args.offline))
+    log = (lambda m: print(m, file=sys.stderr)) if args.json else print
+    fetcher = Fetcher(layout.wheel_store, Sources.parse(args.wheelhouse or (), args.index or (), args.offline), log=log)
     before = cudatk.status(home)
-    st = cudatk.install_pip(profile, fetcher, home)
+    st = cudatk.install_pip(profile, fetcher, home, log=log)
     payload = st.as_dict() | {"changed": not before.exists}
     _report(args, payload, f"{home}: CUDA {st.version} ({'installed' if not before.exists else 'already there'})")
     return 0

@@ -32,10 +32,19 @@ SOURCE_DATE_EPOCH = "1767225600"
 # ------------------------------------------------------------------------------------------------ locating
 
 
+def _shipped_ansible() -> Path | None:
+    """The copy of ansible/ installed with the wheel (package `bwstack_ansible`)."""
+    try:
+        import bwstack_ansible
+    except ImportError:
+        return None
+    return Path(bwstack_ansible.__path__[0])
+
+
 def ansible_dir() -> Path:
     """The ansible/ directory: $BWSTACK_ANSIBLE_DIR, the checkout's, or a copy shipped in the package."""
     here = Path(__file__).resolve()
-    candidates = [os.environ.get("BWSTACK_ANSIBLE_DIR"), here.parents[2] / "ansible", here.parent / "data" / "ansible"]
+    candidates = [os.environ.get("BWSTACK_ANSIBLE_DIR"), here.parents[2] / "ansible", _shipped_ansible()]
     for candidate in candidates:
         if candidate and (Path(candidate) / "provision.yml").is_file():
             return Path(candidate)
@@ -213,6 +222,8 @@ def parse_targets(spec: str) -> tuple[list[str], dict, dict | None]:
             entry: dict = {"ansible_host": parts.hostname, "ansible_connection": "ssh"}
             if parts.username:
                 entry["ansible_user"] = parts.username
+            if parts.username and parts.username != "root":
+                entry["ansible_become"] = True  # the roles write /opt, /usr/local and apt state
             if parts.port:
                 entry["ansible_port"] = parts.port
             hosts[parts.hostname if not parts.port else f"{parts.hostname}_{parts.port}"] = entry

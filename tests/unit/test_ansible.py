@@ -1,0 +1,404 @@
+"""The Ansible side: lint and syntax of the playbooks, the roles' contracts, `bwstack provision`'s targets,
+and the quick real runs (preflight refusal, canary stopping a rollout, check mode on a fresh node, the apt
+method in check mode). The full fixture flow is in test_ansible_flow.py; the real cu128 env in
+test_ansible_real.py. Helpers here are shared with those files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bwstack import playbooks
+from bwstack.errors import BwstackError, UsageError
+
+REPO = Path(__file__).resolve().parents[2]
+ANSIBLE = REPO / "ansible"
+PLAYBOOKS = ["provision.yml", "rollback.yml", "verify.yml"]
+ROLES = sorted(p.name for p in (ANSIBLE / "roles").iterdir() if p.is_dir())
+RECAP = re.compile(
+    r"^(?P<host>\S+)\s+:\s+ok=(?P<ok>\d+)\s+changed=(?P<changed>\d+)\s+unreachable=(?P<unreachable>\d+)\s+"
+    r"failed=(?P<failed>\d+)\s+skipped=(?P<skipped>\d+)\s+rescued=(?P<rescued>\d+)\s+ignored=(?P<ignored>\d+)",
+    re.M,
+)
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+
+
+def tool(name: str) -> str | None:
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.is_file() else shutil.which(name)
+
+
+def env() -> dict:
+    return {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "ANSIBLE_CONFIG": str(ANSIBLE / "ansible.cfg"),
+        "ANSIBLE_NOCOLOR": "1",
+        "ANSIBLE_FORCE_COLOR": "0",
+    }
+
+
+@dataclass
+class Run:
+    cmd: list[str]
+    rc: int
+    out: str
+    seconds: float
+
+    @property
+    def recap(self) -> dict[str, dict[str, int]]:
+        return {
+            m["host"]: {k: int(v) for k, v in m.groupdict().items() if k != "host"} for m in RECAP.finditer(self.out)
+        }
+
+    def changed(self, host: str = "localhost") -> int:
+        return self.recap[host]["changed"]
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.out.splitlines()[-lines:])
+
+    def ok(self) -> Run:
+        assert self.rc == 0, f"{' '.join(self.cmd)} failed ({self.rc}):\n{self.tail(120)}"
+        return self
+
+
+def run(cmd: list[str], log: Path | None = None, timeout: int = 1800) -> Run:
+    """Run from ansible/ (so ansible-lint finds its .ansible-lint), output merged and, with `log`, written there
+    as it comes (a long provision can be followed with tail -f)."""
+    started = time.perf_counter()
+    lines: list[str] = []
+    sink = None
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        sink = log.open("w")
+        sink.write(f"$ {' '.join(cmd)}\n")
+    with subprocess.Popen(
+        cmd, env=env(), cwd=ANSIBLE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if sink is not None:
+                sink.write(line)
+                sink.flush()
+            if time.perf_counter() - started > timeout:
+                proc.kill()
+                lines.append(f"(killed after {timeout} s)\n")
+                break
+        rc = proc.wait()
+    result = Run(list(cmd), rc, "".join(lines), time.perf_counter() - started)
+    if sink is not None:
+        sink.write(f"# rc={result.rc} seconds={result.seconds:.1f}\n")
+        sink.close()
+    return result
+
+
+def bwstack_cli(lock: Path, *args: str, log: Path | None = None, timeout: int = 1800) -> Run:
+    return run([sys.executable, "-m", "bwstack", "--lock", str(lock), *args], log=log, timeout=timeout)
+
+
+def playbook(
+    name: str, inventory: Path, variables: dict, *flags: str, log: Path | None = None, timeout: int = 1800
+) -> Run:
+    vars_file = (log or inventory).with_suffix(".vars.json")
+    vars_file.parent.mkdir(parents=True, exist_ok=True)
+    vars_file.write_text(json.dumps(variables, indent=2))
+    cmd = [
+        tool("ansible-playbook") or "ansible-playbook",
+        str(ANSIBLE / name),
+        "-i",
+        str(inventory),
+        "-e",
+        f"@{vars_file}",
+        *flags,
+    ]
+    return run(cmd, log=log, timeout=timeout)
+
+
+def local_inventory(path: Path, hosts: dict[str, dict] | None = None) -> Path:
+    """Hosts that are all this machine (connection=local), each with its own variables."""
+    python = playbooks.local_python()
+    hosts = hosts or {"localhost": {}}
+    body = {
+        name: {"ansible_connection": "local", "ansible_python_interpreter": python, **hv} for name, hv in hosts.items()
+    }
+    path.write_text(yaml.safe_dump({"all": {"children": {"bwstack_nodes": {"hosts": body}}}}))
+    return path
+
+
+def generations(root: Path, ml_env: Path) -> list[dict]:
+    out = subprocess.run(
+        [sys.executable, "-m", "bwstack", "generations", "--root", str(root), "--ml-env", str(ml_env), "--json"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return json.loads(out.stdout)
+
+
+def active(root: Path, ml_env: Path) -> dict | None:
+    return next((g for g in generations(root, ml_env) if g["active"]), None)
+
+
+needs_ansible = pytest.mark.skipif(tool("ansible-playbook") is None, reason="ansible-playbook is not installed")
+
+
+# ------------------------------------------------------------------------------------------------ static
+
+
+@pytest.mark.skipif(
+    tool("ansible-lint") is None and not os.environ.get("CI"), reason="ansible-lint not installed (dev extra)"
+)
+def test_ansible_lint_production_profile_passes():
+    result = run(
+        [tool("ansible-lint") or "ansible-lint", "--profile", "production", "--offline", "--nocolor"], timeout=600
+    )
+    assert result.rc == 0, result.tail(80)
+    assert "Profile 'production' was required, and it passed" in result.out
+
+
+@needs_ansible
+@pytest.mark.parametrize("name", PLAYBOOKS)
+def test_playbook_passes_syntax_check(name: str):
+    inventory = ANSIBLE / "inventories" / "example" / "hosts.yml"
+    result = run([tool("ansible-playbook"), "--syntax-check", "-i", str(inventory), str(ANSIBLE / name)])
+    assert result.rc == 0, result.tail()
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_role_documents_every_default_in_its_argument_spec(role: str):
+    base = ANSIBLE / "roles" / role
+    defaults = yaml.safe_load((base / "defaults" / "main.yml").read_text()) or {}
+    specs = yaml.safe_load((base / "meta" / "argument_specs.yml").read_text())["argument_specs"]
+    documented = set(specs["main"]["options"])
+    assert set(defaults) <= documented, f"undocumented: {sorted(set(defaults) - documented)}"
+    assert all(name.startswith(f"{role}_") for name in defaults), "every variable carries the role's prefix"
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_role_has_defaults_meta_and_tasks(role: str):
+    base = ANSIBLE / "roles" / role
+    for part in ("defaults/main.yml", "meta/main.yml", "meta/argument_specs.yml", "tasks/main.yml"):
+        assert (base / part).is_file(), part
+
+
+def test_roles_do_not_verify_with_a_placeholder_assert():
+    """DeepOps' verify is `assert: that: true`; ours must test something."""
+    for path in (ANSIBLE / "roles").rglob("*.yml"):
+        for doc in yaml.safe_load_all(path.read_text()):
+            for task in doc if isinstance(doc, list) else []:
+                check = task.get("ansible.builtin.assert") if isinstance(task, dict) else None
+                if check:
+                    assert check.get("that") not in (True, "true", [True], ["true"]), f"{path}: {task['name']}"
+
+
+def test_every_playbook_task_uses_fqcn_or_the_bwstack_module():
+    allowed_short = {"bwstack_node"}
+    keywords = {"name", "when", "register", "tags", "vars", "notify", "loop", "block", "rescue", "always",
+                "delegate_to", "run_once", "check_mode", "changed_when", "failed_when", "ignore_errors", "become",
+                "no_log", "environment", "listen", "until", "retries", "delay", "args", "diff"}  # fmt: skip
+    for path in list((ANSIBLE / "roles").rglob("tasks/*.yml")) + list((ANSIBLE / "roles").rglob("handlers/*.yml")):
+        for task in yaml.safe_load(path.read_text()) or []:
+            modules = [k for k in task if k not in keywords]
+            assert len(modules) == 1, f"{path}: {task.get('name')}: {modules}"
+            assert modules[0].startswith("ansible.builtin.") or modules[0] in allowed_short, f"{path}: {modules[0]}"
+
+
+# ------------------------------------------------------------------------------------------------ provision CLI
+
+
+def test_local_target_is_this_machine_over_the_local_connection():
+    args, extra, inventory = playbooks.parse_targets("local://")
+    host = inventory["all"]["children"]["bwstack_nodes"]["hosts"]["localhost"]
+    assert (args, extra, host["ansible_connection"]) == ([], {}, "local")
+
+
+def test_ssh_targets_become_a_temporary_inventory():
+    _, _, inventory = playbooks.parse_targets("ssh://ops@gpu-a01,ssh://gpu-a02:2222")
+    hosts = inventory["all"]["children"]["bwstack_nodes"]["hosts"]
+    assert hosts["gpu-a01"] == {
+        "ansible_host": "gpu-a01",
+        "ansible_connection": "ssh",
+        "ansible_user": "ops",
+        "ansible_become": True,
+    }
+    assert hosts["gpu-a02_2222"]["ansible_port"] == 2222
+
+
+def test_ansible_target_uses_the_users_inventory_with_limit_and_group(tmp_path: Path):
+    inv = tmp_path / "hosts.yml"
+    inv.write_text("all: {}\n")
+    args, extra, inventory = playbooks.parse_targets(f"ansible://{inv}?limit=rack_a&group=gpus")
+    assert (args, extra, inventory) == (["-i", str(inv), "--limit", "rack_a"], {"bwstack_hosts": "gpus"}, None)
+
+
+@pytest.mark.parametrize("spec", ["ftp://x", "ssh://", "ansible:///no/such/inventory", "local://,ansible://x"])
+def test_bad_targets_are_refused_with_a_usage_error(spec: str):
+    with pytest.raises(UsageError):
+        playbooks.parse_targets(spec)
+
+
+def test_missing_ansible_playbook_is_one_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(BwstackError, match="ansible-playbook not found"):
+        playbooks.ansible_playbook()
+
+
+def test_provision_options_become_extra_vars(tmp_path: Path):
+    from bwstack.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["--lock", "stack.lock.yaml", "provision", "--wheelhouse", "/w", "--index", "pypi=https://m/simple",
+         "--ca-bundle", "/ca.pem", "--offline", "--verify-skip", "nvcc=no nvcc", "--root", "/r"]
+    )  # fmt: skip
+    got = playbooks._common_vars(args)
+    assert got["bwstack_wheelhouse"] == ["/w"] and got["bwstack_index"] == ["pypi=https://m/simple"]
+    assert (got["bwstack_ca_bundle"], got["bwstack_offline"], got["bwstack_root"]) == ("/ca.pem", True, "/r")
+    assert got["bwstack_verify_skip"] == ["nvcc=no nvcc"]
+
+
+def test_controller_facts_give_each_profiles_preflight_requirements_and_toolkit(real_lock_path: Path):
+    from bwstack.lockfile import load_lock
+
+    facts = playbooks.controller_facts(load_lock(real_lock_path), None, None, None)
+    assert facts["profiles"]["cu130"]["cuda"]["apt_package"] == "cuda-toolkit-13-0"
+    assert facts["profiles"]["cu128"]["requirements"]["min_driver"] == "525.60.13"
+    assert "debian-12" in facts["system_packages"]
+
+
+# ------------------------------------------------------------------------------------------------ quick real runs
+
+
+@pytest.fixture(scope="module")
+def fakestack_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    sys.path.insert(0, str(REPO / "tests"))
+    from fixtures import fakestack
+
+    base = tmp_path_factory.mktemp("ansible-fakestack")
+    fakestack.make_stack(base)
+    return base
+
+
+def fixture_vars(stack: Path, node: Path, **more) -> dict:
+    return {
+        "bwstack_lock": str(stack / "stack.lock.yaml"),
+        "bwstack_root": str(node / "root"),
+        "bwstack_ml_env": str(node / "ml-env"),
+        "bwstack_cuda_link": "none",
+        "bwstack_cuda_method": "none",
+        "bwstack_wheelhouse": [str(stack / "wheelhouse")],
+        "bwstack_offline": True,
+        "bwstack_preflight_allow_no_gpu": True,
+        "bwstack_preflight_min_free_gb": 1,
+        "bwstack_controller_cache": str(stack / "controller-cache"),
+        "bwstack_tool_offline": False,  # bwstack's own dependencies from PyPI (the flow test installs them offline)
+        **more,
+    }
+
+
+@needs_ansible
+@pytest.mark.ansible
+def test_preflight_refuses_a_node_without_a_gpu_before_touching_it(fakestack_dir: Path, tmp_path: Path):
+    node = tmp_path / "node"
+    variables = fixture_vars(fakestack_dir, node, bwstack_preflight_allow_no_gpu=False, bwstack_profile="fixture-new")
+    result = playbook("provision.yml", local_inventory(tmp_path / "hosts.yml"), variables, log=tmp_path / "run.log")
+    if "REFUSED gpu" not in result.out and "ok      gpu" in result.out:
+        pytest.skip("this machine has a GPU of the profile's capability")
+    assert result.rc != 0
+    assert "preflight refused localhost for profile fixture-new: no NVIDIA GPU" in result.out
+    assert not node.exists()
+
+
+@needs_ansible
+@pytest.mark.ansible
+def test_a_failed_canary_stops_the_rollout_before_the_next_batch(fakestack_dir: Path, tmp_path: Path):
+    hosts = {
+        "canary": {"bwstack_root": str(tmp_path / "canary" / "root"), "bwstack_preflight_min_free_gb": 1e9},
+        "second": {"bwstack_root": str(tmp_path / "second" / "root")},
+    }
+    variables = fixture_vars(fakestack_dir, tmp_path / "unused", bwstack_profile="fixture-new")
+    del variables["bwstack_root"], variables["bwstack_preflight_min_free_gb"]
+    result = playbook(
+        "provision.yml", local_inventory(tmp_path / "hosts.yml", hosts), variables, log=tmp_path / "run.log"
+    )
+    assert result.rc != 0
+    assert result.recap["canary"]["failed"] == 1
+    assert "second" not in result.recap, "the second batch must not start after the canary failed"
+    assert not (tmp_path / "second").exists()
+
+
+@needs_ansible
+@pytest.mark.ansible
+def test_check_mode_on_a_fresh_node_reports_changes_and_creates_nothing(fakestack_dir: Path, tmp_path: Path):
+    node = tmp_path / "node"
+    variables = fixture_vars(fakestack_dir, node, bwstack_profile="fixture-new", bwstack_cuda_method="pip")
+    result = playbook(
+        "provision.yml",
+        local_inventory(tmp_path / "hosts.yml"),
+        variables,
+        "--check",
+        "--diff",
+        log=tmp_path / "run.log",
+    ).ok()
+    assert result.changed() > 0
+    assert "a real run would install it and build fixture-new" in result.out
+    assert not node.exists(), "check mode created files on the node"
+
+
+@needs_ansible
+@pytest.mark.ansible
+def test_apt_method_in_check_mode_plans_keyring_repository_and_pinned_package(fakestack_dir: Path, tmp_path: Path):
+    """NVIDIA's repository is unreachable here: a stand-in keyring .deb in a local directory takes its place, and
+    only check mode runs (nothing is installed; the package itself cannot be found without the real repo)."""
+    pkg = tmp_path / "pkg"
+    (pkg / "DEBIAN").mkdir(parents=True)
+    (pkg / "DEBIAN" / "control").write_text(
+        "Package: cuda-keyring\nVersion: 1.1-1\nArchitecture: all\nMaintainer: tests <t@bwstack.invalid>\n"
+        "Description: TEST FIXTURE standing in for NVIDIA's cuda-keyring\n"
+    )
+    repo = tmp_path / "repos"
+    arch = "sbsa" if platform.machine() == "aarch64" else "x86_64"
+    os_release = dict(line.split("=", 1) for line in Path("/etc/os-release").read_text().splitlines() if "=" in line)
+    os_id, version = os_release["ID"].strip('"'), os_release["VERSION_ID"].strip('"')
+    folder = repo / f"{os_id}{version.replace('.', '') if os_id == 'ubuntu' else version.split('.')[0]}" / arch
+    folder.mkdir(parents=True)
+    built = subprocess.run(
+        ["dpkg-deb", "--build", str(pkg), str(folder / "cuda-keyring_1.1-1_all.deb")], capture_output=True
+    )
+    if built.returncode != 0:
+        pytest.skip("dpkg-deb is not available")
+    node = tmp_path / "node"
+    variables = fixture_vars(
+        fakestack_dir,
+        node,
+        bwstack_profile="fixture-new",
+        bwstack_cuda_method="apt",
+        bwstack_cuda_apt_repo_base=str(repo),
+    )
+    result = playbook(
+        "provision.yml",
+        local_inventory(tmp_path / "hosts.yml"),
+        variables,
+        "--check",
+        "--diff",
+        "--tags",
+        "bwstack_cuda",
+        log=tmp_path / "run.log",
+    ).ok()
+    assert "Install NVIDIA's CUDA keyring package" in result.out
+    assert "fixture=0" in result.out or "No package matching 'fixture'" in result.out
+    assert not Path("/etc/apt/sources.list.d/bwstack-cuda.sources").exists()
+    assert subprocess.run(["dpkg", "-s", "cuda-keyring"], capture_output=True).returncode != 0

@@ -1,0 +1,169 @@
+"""The whole playbook flow on this machine (connection=local) against the FIXTURE stack (small wheels built by
+the tests, installed offline from a wheelhouse: the path a cu130 node takes for wheels PyPI does not carry).
+
+One node is driven through: provision fixture-new -> converged re-run -> --check -> provision fixture-old ->
+provision fixture-new with verify failing (rescue rolls it back) -> `bwstack rollback --target` -> verify.yml.
+The runs happen once (module fixture); each test checks one behaviour of one step. bwstack itself is
+installed into the node's tool venv offline too, from a wheelhouse of its dependencies that the fixture fetches
+from PyPI once, hence `network`.
+
+The fixture torch has no extensions and the fixture toolkit no nvcc: those checks are waived, visibly.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from test_ansible import REPO, Run, active, bwstack_cli, fixture_vars, generations, needs_ansible, playbook, run
+from test_ansible import local_inventory as make_inventory
+
+pytestmark = [pytest.mark.ansible, pytest.mark.network, needs_ansible]
+
+WAIVERS = ["nvcc=the fixture toolkit has no nvcc", "extension=the fixture torch has no compiled extensions"]
+
+
+def _needs_py312() -> None:
+    from bwstack.envbuild import find_python
+
+    try:
+        find_python("3.12")
+    except Exception:
+        pytest.skip("no Python 3.12 interpreter (the fixture profiles' Python)")
+
+
+class Node:
+    def __init__(self, base: Path) -> None:
+        sys.path.insert(0, str(REPO / "tests"))
+        from fixtures import fakestack
+
+        self.base = base
+        self.stack = base / "stack"
+        self.stack.mkdir()
+        fakestack.make_stack(self.stack)
+        self.lock = self.stack / "stack.lock.yaml"
+        self.node = base / "node"
+        self.root = self.node / "root"
+        self.ml_env = self.node / "ml-env"
+        self.inventory = make_inventory(base / "hosts.yml")
+        self.logs = base / "logs"
+        self.runs: dict[str, Run] = {}
+        # One wheel for the whole flow (the checkout may change under a long test run; CI's does not). Building it
+        # in the role is covered by test_ansible.py's check-mode test.
+        facts = bwstack_cli(self.lock, "controller-facts", "--wheel-dir", str(self.stack / "wheel")).ok()
+        self.wheel = json.loads(facts.out[facts.out.index("{") :])["wheel"]["path"]
+        # The node is offline: bwstack's own dependencies come from a wheelhouse too (fetched here once).
+        self.tool_wheelhouse = self.stack / "tool-wheelhouse"
+        run([sys.executable, "-m", "pip", "download", "--quiet", "--dest", str(self.tool_wheelhouse), self.wheel]).ok()
+        self.active_after: dict[str, str | None] = {}
+
+    def provision(self, step: str, profile: str, *flags: str, waivers: bool = True) -> Run:
+        """Through the `bwstack provision` CLI, as a user without an inventory would."""
+        extra = self.base / f"{step}.extra.json"
+        extra.write_text(
+            json.dumps(
+                {
+                    "bwstack_controller_cache": str(self.stack / "controller-cache"),
+                    "bwstack_tool_wheel": self.wheel,
+                    "bwstack_tool_wheelhouse": str(self.tool_wheelhouse),
+                }
+            )
+        )
+        args = ["provision", "--target", "local://", "--profile", profile, "--cuda-method", "none", "--allow-no-gpu"]
+        args += ["--min-free-gb", "1", "--root", str(self.root), "--ml-env", str(self.ml_env), "--cuda-link", "none"]
+        args += ["--wheelhouse", str(self.stack / "wheelhouse"), "--offline", "-e", f"@{extra}", *flags]
+        for waiver in WAIVERS if waivers else []:
+            args += ["--verify-skip", waiver]
+        return self._record(step, bwstack_cli(self.lock, *args, log=self.logs / f"{step}.log"))
+
+    def rollback(self, step: str) -> Run:
+        """Through `bwstack rollback --target`, which drives rollback.yml."""
+        extra = self.base / f"{step}.extra.json"
+        extra.write_text(
+            json.dumps({"bwstack_tool_wheel": self.wheel, "bwstack_tool_wheelhouse": str(self.tool_wheelhouse)})
+        )
+        args = ["rollback", "--target", "local://", "--root", str(self.root), "--ml-env", str(self.ml_env)]
+        args += ["--cuda-link", "none", "--wheelhouse", str(self.stack / "wheelhouse"), "--offline", "-e", f"@{extra}"]
+        for waiver in WAIVERS:
+            args += ["--verify-skip", waiver]
+        return self._record(step, bwstack_cli(self.lock, *args, log=self.logs / f"{step}.log"))
+
+    def play(self, step: str, name: str, **more) -> Run:
+        variables = fixture_vars(
+            self.stack, self.node, bwstack_verify_skip=WAIVERS, bwstack_tool_wheel=self.wheel, **more
+        )
+        return self._record(step, playbook(name, self.inventory, variables, log=self.logs / f"{step}.log"))
+
+    def _record(self, step: str, result: Run) -> Run:
+        self.runs[step] = result
+        gen = active(self.root, self.ml_env) if self.root.exists() else None
+        self.active_after[step] = gen["profile"] if gen else None
+        return result
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Node:
+    _needs_py312()
+    n = Node(tmp_path_factory.mktemp("ansible-flow"))
+    n.provision("first", "fixture-new")
+    n.provision("rerun", "fixture-new")
+    n.provision("check", "fixture-new", "--check", "--diff")
+    n.provision("other", "fixture-old", "--diff")
+    n.provision("failing", "fixture-new", waivers=False)
+    n.rollback("rollback")
+    n.play("verify", "verify.yml")
+    return n
+
+
+def test_first_provision_installs_bwstack_offline_builds_and_switches(node: Node):
+    run = node.runs["first"].ok()
+    assert run.changed() > 0
+    assert node.active_after["first"] == "fixture-new"
+    assert (node.root / "tool" / "bin" / "bwstack").is_file()
+    assert (node.ml_env / "bin" / "python").exists()
+
+
+def test_converged_rerun_reports_no_change(node: Node):
+    run = node.runs["rerun"].ok()
+    assert run.changed() == 0, run.tail(200)
+    print(f"converged fixture re-run: {run.seconds:.1f} s")
+
+
+def test_check_mode_on_a_converged_node_reports_no_change(node: Node):
+    run = node.runs["check"].ok()
+    assert run.changed() == 0, run.tail(200)
+
+
+def test_provisioning_another_profile_switches_and_shows_the_plan_as_a_diff(node: Node):
+    run = node.runs["other"].ok()
+    assert node.active_after["other"] == "fixture-old"
+    assert "-active generation: 0000-fixture-new" in run.out
+    assert "+active generation: 0001-fixture-old" in run.out
+    assert [g["profile"] for g in generations(node.root, node.ml_env)][:2] == ["fixture-new", "fixture-old"]
+
+
+def test_a_node_failing_verify_is_rolled_back_and_the_run_fails(node: Node):
+    run = node.runs["failing"]
+    assert run.rc != 0
+    assert run.recap["localhost"]["rescued"] == 1
+    assert "verify failed on localhost" in run.out
+    assert "The node is back on 0001-fixture-old" in run.out
+    assert node.active_after["failing"] == "fixture-old"
+
+
+def test_rollback_playbook_switches_back_and_verifies(node: Node):
+    run = node.runs["rollback"].ok()
+    assert node.active_after["rollback"] == "fixture-new"
+    assert run.changed() > 0
+    assert "every check passed or was skipped with a reason" in run.out
+
+
+def test_verify_playbook_prints_the_table_and_the_waivers(node: Node):
+    run = node.runs["verify"].ok()
+    assert "PASS  every_closure_package_is_installed_at_its_locked_version" in run.out
+    assert (
+        "toolkit_nvcc_is_the_profiles_cuda_version: waived by the operator: the fixture toolkit has no nvcc" in run.out
+    )
+    assert run.changed() == 0
