@@ -124,15 +124,41 @@ _COPY_IGNORE = shutil.ignore_patterns(
 )
 
 
+WHEEL_SOURCES = ("pyproject.toml", "README.md", "scripts/bwstack", "tests/infra", "ansible")
+
+
+def _source_digest(src: Path) -> str:
+    """What the wheel is built from; an unchanged checkout reuses the wheel built last time (pip's isolated
+    build costs seconds on every playbook run otherwise)."""
+    digest = hashlib.sha256()
+    for top in WHEEL_SOURCES:
+        base = src / top
+        paths = [base] if base.is_file() else sorted(p for p in base.rglob("*") if p.is_file())
+        for path in paths:
+            if "__pycache__" in path.parts or path.suffix == ".pyc":
+                continue
+            digest.update(str(path.relative_to(src)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def build_wheel(directory: Path) -> dict:
     """`pip wheel --no-deps` of a clean copy of the checkout (no stale build/ files), reproducible, placed
-    atomically in `directory`."""
+    atomically in `directory`; reused while the sources are unchanged."""
     src = source_tree()
     if src is None:
         raise UsageError(
             "this bwstack is not an editable checkout, so there is no source to build a wheel from: "
             "set bwstack_tool_wheel to a bwstack wheel on the controller"
         )
+    source_digest = _source_digest(src)
+    stamp = directory / ".bwstack-wheel.json"
+    try:
+        built = json.loads(stamp.read_text())
+        path = directory / built["name"]
+        if built["source"] == source_digest and path.is_file() and _sha256(path) == built["sha256"]:
+            return {"path": str(path), "name": path.name, "sha256": built["sha256"]}
+    except (OSError, ValueError, KeyError):
+        pass
     with tempfile.TemporaryDirectory(prefix="bwstack-wheel-") as tmp:
         copy = Path(tmp) / "src"
         shutil.copytree(src, copy, ignore=_COPY_IGNORE, symlinks=True)
@@ -146,7 +172,9 @@ def build_wheel(directory: Path) -> dict:
             tail = (result.stderr or result.stdout).strip()[-800:]
             raise BwstackError(f"could not build the bwstack wheel from {src}: {tail}")
         path = _atomic_copy_into(wheels[0], directory)
-    return {"path": str(path), "name": path.name, "sha256": _sha256(path)}
+    result = {"path": str(path), "name": path.name, "sha256": _sha256(path)}
+    stamp.write_text(json.dumps({"source": source_digest, "name": path.name, "sha256": result["sha256"]}))
+    return result
 
 
 def controller_facts(lock, probe_dir: str | None, wheel_dir: str | None, wheel: str | None) -> dict:
