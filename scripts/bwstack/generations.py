@@ -255,9 +255,7 @@ class Store:
                     known.update(manifest.known_hashes(gen.manifest_entries(), dev))
             except (OSError, IntegrityError):
                 continue
-        entries = manifest.build(env, known)
-        cache.add(env, entries)
-        return entries
+        return manifest.build(env, known)
 
     def commit(
         self, building: Path, record: dict, extra_manifest: dict, entries: list[manifest.Entry] | None = None
@@ -274,6 +272,8 @@ class Store:
         final = self.layout.generations / building.name[len(BUILDING_PREFIX) :]
         os.rename(building, final)
         fsync_dir(self.layout.generations)
+        # anchored at the generation's final paths, which keep the inodes alive
+        manifest.HashCache(self.layout.cache / "file-hashes.json").add(final / "env", entries)
         return Generation(final, record)
 
     # -- switching ---------------------------------------------------------------------------------

@@ -163,34 +163,49 @@ def total_size(entries: list[Entry]) -> int:
 
 
 class HashCache:
-    """sha256 of files hard-linked from uv's cache, keyed by inode, size and mtime: a generation built in
-    another store from the same cache is hashed once, not again. A stale entry can only make a manifest
-    fail a full verify, never pass one: `verify` re-hashes what it checks."""
+    """sha256 of files hard-linked from uv's cache into generations, so that a generation built in another
+    store from the same cache is not hashed again.
+
+    An entry is trusted only while the generation file it was recorded from (its anchor) still holds the same
+    inode with the same size and mtime: a live link keeps the inode from being recycled, so a new file that
+    merely got the same inode number never inherits someone else's hash. A stale entry could only make a
+    manifest fail a full verify, never pass one: `verify` re-hashes what it checks."""
 
     LIMIT = 400_000
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
 
-    def load(self, dev: int) -> dict[tuple[int, int, int, int], str]:
+    def _rows(self) -> list:
         try:
-            rows = json.loads(self.path.read_text())
+            return json.loads(self.path.read_text())
         except (OSError, ValueError):
-            return {}
-        return {(dev, ino, size, mtime): sha for d, ino, size, mtime, sha in rows if d == dev}
+            return []
+
+    def load(self, dev: int) -> dict[tuple[int, int, int, int], str]:
+        known = {}
+        for row in self._rows():
+            if len(row) != 6 or row[0] != dev:
+                continue
+            d, ino, size, mtime, sha, anchor = row
+            try:
+                st = os.lstat(anchor)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) == (d, ino, size, mtime):
+                known[(d, ino, size, mtime)] = sha
+        return known
 
     def add(self, root: Path, entries: list[Entry]) -> None:
-        try:
-            rows = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            rows = []
+        rows = [r for r in self._rows() if len(r) == 6]
         seen = {(r[0], r[1]) for r in rows}
         for e in entries:
             if e.kind != "f":
                 continue
-            st = os.lstat(root / e.path)
+            path = root / e.path
+            st = os.lstat(path)
             if st.st_nlink > 1 and (st.st_dev, st.st_ino) not in seen:
-                rows.append([st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, e.sha256])
+                rows.append([st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, e.sha256, str(path)])
                 seen.add((st.st_dev, st.st_ino))
         rows = rows[-self.LIMIT :]
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -62,6 +62,8 @@ def stack(tmp_path: Path):
         "BWSTACK_ROOT": str(s.root),
         "BWSTACK_ML_ENV": str(s.ml_env),
         "BWSTACK_CUDA_LINK": str(s.cuda_link),
+        # a store of its own, cache included: these tests watch what enters the cache
+        "BWSTACK_CACHE": str(s.root / "cache"),
     }
 
     def run(*args: str, check: bool = False, extra_env: dict | None = None):
