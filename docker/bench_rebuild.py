@@ -20,29 +20,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import yaml
-
-from bwstack import image, pypi
+from bwstack import image
 from bwstack.lockfile import load_lock
-from bwstack.resolve import render_lock_text
 
 DOCKER = Path(__file__).resolve().parent
-
-
-def sglang_only_bump(lock_path: str, profile: str, version: str, dest: Path) -> Path:
-    """Lock A with closures.<profile>.env.sglang pointing at another sglang release's wheel."""
-    lock = load_lock(lock_path)
-    data = yaml.load(Path(lock_path).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    entry = data["closures"][profile]["env"]["sglang"]
-    files = [f for f in pypi.project_files(pypi.session(), lock.indexes["pypi"].url, "sglang")
-             if f.filename == f"sglang-{version}-py3-none-any.whl"]  # fmt: skip
-    if not files or not files[0].sha256:
-        raise SystemExit(f"PyPI lists no sglang-{version}-py3-none-any.whl with a sha256")
-    entry["version"] = version
-    entry["wheels"] = [{"file": files[0].filename, "url": files[0].url, "sha256": files[0].sha256,
-                        "hash_source": "pypi"}]  # fmt: skip
-    dest.write_text(render_lock_text(lock, data["closures"]))
-    return dest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         lock_b = args.lock_b
         if args.sglang:
             name = args.profile or load_lock(args.lock).default_profile
-            lock_b = str(sglang_only_bump(args.lock, name, args.sglang, Path(tmp, "bumped.lock.yaml")))
+            lock_b = str(image.sglang_only_bump(args.lock, name, args.sglang, Path(tmp, "bumped.lock.yaml")))
         elif lock_b is None:
             lock_b = str(DOCKER / "ci" / "ci-small-bump.lock.yaml")
         result = image.bench_rebuild(args.lock, lock_b, args.profile, opts=opts, log=lambda m: None)

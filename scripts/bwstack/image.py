@@ -1041,3 +1041,45 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lock-b", required=True, help="the bumped lock (differs from --lock in the app layer only)")
     _build_flags(p)
     p.set_defaults(func=cmd_bench)
+
+
+def sglang_only_bump(lock_path: str, profile: str, version: str, dest: Path) -> Path:
+    """Lock A with closures.<profile>.env.sglang pointing at another sglang release's wheel."""
+    import yaml
+
+    from bwstack import pypi
+    from bwstack.lockfile import load_lock
+    from bwstack.resolve import render_lock_text
+
+    lock = load_lock(lock_path)
+    data = yaml.load(Path(lock_path).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    entry = data["closures"][profile]["env"]["sglang"]
+    files = [f for f in pypi.project_files(pypi.session(), lock.indexes["pypi"].url, "sglang")
+             if f.filename == f"sglang-{version}-py3-none-any.whl"]  # fmt: skip
+    if not files or not files[0].sha256:
+        raise BwstackError(f"PyPI lists no sglang-{version}-py3-none-any.whl with a sha256")
+    entry["version"] = version
+    entry["wheels"] = [{"file": files[0].filename, "url": files[0].url, "sha256": files[0].sha256,
+                        "hash_source": "pypi"}]  # fmt: skip
+    dest.write_text(render_lock_text(lock, data["closures"]))
+    return dest
+
+
+CI_BASE_TAG = "bwstack-ci-base:bookworm-py312"
+
+
+def ensure_bench_base() -> str:
+    """The debootstrap base (docker/ci-base.sh: a test fixture, no CUDA, the host's Python 3.12), built if
+    absent: the NVIDIA bases cannot be pulled where this project is built."""
+    import subprocess
+
+    import docker
+
+    client = docker.from_env()
+    try:
+        client.images.get(CI_BASE_TAG)
+    except docker.errors.ImageNotFound:
+        result = subprocess.run(["bash", str(docker_dir() / "ci-base.sh")], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise BwstackError(f"docker/ci-base.sh failed: {result.stderr.strip()[-400:]}") from None
+    return CI_BASE_TAG
