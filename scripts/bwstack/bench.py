@@ -18,8 +18,8 @@ its numbers mean nothing. Goals are printed beside the figures; nothing here ass
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import shutil
 import statistics
 import subprocess
