@@ -623,7 +623,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("preflight", parents=[node], help="is this node fit for the profile? (changes nothing)")
     p.add_argument("--profile")
-    p.add_argument("--min-free-gb", type=float, default=40.0)
+    p.add_argument("--min-free-gb", type=float, default=25.0)
     p.add_argument("--allow-no-gpu", action="store_true", help="accept a CPU-only target (containers, CI), loudly")
     p.add_argument("--allow-other-gpu", action="store_true", help="accept GPUs of another capability, loudly")
     p.set_defaults(func=cmd_preflight)

@@ -391,7 +391,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="accept CPU-only targets (containers, CI); said loudly in the output",
     )
-    p.add_argument("--min-free-gb", type=float, help="free disk the preflight requires at the store (default 40)")
+    p.add_argument("--min-free-gb", type=float, help="free disk the preflight requires at the store (default 25)")
     _add_store_and_sources(p)
     p.set_defaults(func=cmd_provision)
 

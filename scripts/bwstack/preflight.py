@@ -126,7 +126,7 @@ def check(
     req: dict,
     *,
     root: str = "/",
-    min_free_gb: float = 40.0,
+    min_free_gb: float = 25.0,
     allow_no_gpu: bool = False,
     allow_other_gpu: bool = False,
 ) -> Report:
@@ -222,7 +222,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="bwstack-probe preflight")
     parser.add_argument("--requirements", required=True, help="JSON from bwstack.preflight.requirements_of")
     parser.add_argument("--root", default="/")
-    parser.add_argument("--min-free-gb", type=float, default=40.0)
+    parser.add_argument("--min-free-gb", type=float, default=25.0)
     parser.add_argument("--allow-no-gpu", action="store_true")
     parser.add_argument("--allow-other-gpu", action="store_true")
     args = parser.parse_args(argv)
