@@ -181,15 +181,16 @@ def finish_interrupted_adoption(store: Store, log=print) -> None:
 
 def _link_tree(src: Path, dest: Path) -> None:
     """cp -al: directories recreated, files hard-linked, symlinks copied; bytecode caches skipped."""
-    dest.mkdir(mode=0o755)
+    os.mkdir(dest, 0o755)
+    src_s, dest_s = str(src), str(dest)
     for rel, st in manifest.walk(src):
-        target = dest / rel
+        source, target = os.path.join(src_s, rel), os.path.join(dest_s, rel)
         if stat.S_ISDIR(st.st_mode):
-            target.mkdir(mode=stat.S_IMODE(st.st_mode) | 0o700)
+            os.mkdir(target, stat.S_IMODE(st.st_mode) | 0o700)
         elif stat.S_ISLNK(st.st_mode):
-            os.symlink(os.readlink(src / rel), target)
+            os.symlink(os.readlink(source), target)
         else:
-            os.link(src / rel, target)
+            os.link(source, target)
 
 
 def backup(store: Store, lock: Lock, *, depth: str = "quick", log=print) -> dict:
@@ -245,7 +246,8 @@ def backup(store: Store, lock: Lock, *, depth: str = "quick", log=print) -> dict
     os.rename(building, final)
     fsync_dir(layout.generations)
     gen = Generation(final, record)
-    store.switch(gen, why=f"snapshot of modified {active.name}", post_check=False)
+    # just hashed from these very files: no second manifest pass before the switch
+    store.switch(gen, depth="none", why=f"snapshot of modified {active.name}", post_check=False)
     return {
         "action": "snapshot",
         "generation": gen.name,

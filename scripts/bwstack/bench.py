@@ -259,7 +259,8 @@ class Bench:
             unchanged.append(_timed(lambda: backup.backup(store, self.lock, **quiet)))
             unchanged_disk.append(_extra(layout.generations, before) / 2**30)
             site = envinspect.site_packages(store.active().env)
-            (site / "bench_drift.py").write_text("X = 1\n")  # what a `pip install` into the env leaves behind
+            # what a `pip install` into the env leaves behind: a new file (installers never write in place)
+            (site / f"bench_drift_{len(drift)}.py").write_text("X = 1\n")
             before = _inodes(layout.generations)
             drift.append(_timed(lambda: backup.backup(store, self.lock, **quiet)))
             drift_disk.append(_extra(layout.generations, before) / 2**30)
@@ -333,7 +334,10 @@ class Bench:
                                              out=lambda m: None)  # fmt: skip
         except Exception as exc:  # no daemon or base image: the table says so
             return [Figure("P6", "image rebuild after an sglang bump", [], note=f"not run: {exc}")]
-        note = f"base {base}; rebuilt: {', '.join(result.get('rebuilt', [])) or '?'}; one run each"
+        note = (
+            f"base {base}; changed layers {result['changed_layers']}; {len(result['rebuilt_run_steps'])} RUN steps "
+            f"rebuilt, {result['cached_steps']} of {result['steps']} steps from cache; one run each"
+        )
         return [Figure("P6", "image rebuild after an sglang-only bump", [result["rebuild_seconds"]],
                        anchor="clean build", anchor_runs=[result["clean_build_seconds"]], note=note)]  # fmt: skip
 

@@ -281,7 +281,7 @@ class Store:
     def switch(self, gen: Generation, *, depth: str = "quick", why: str = "switch", post_check: bool = True) -> dict:
         """Verify `gen`, flip `current` to it, make sure the ml-env and CUDA links exist, check it runs."""
         started = time.perf_counter()
-        problems = gen.verify(depth)
+        problems = [] if depth == "none" else gen.verify(depth)
         if problems:
             shown = "; ".join(str(p) for p in problems[:3])
             more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bwstack import elfscan, envinspect, fatbin, features
@@ -568,6 +569,9 @@ def collect(env: Path, capability: str = "12.0", runtime: bool = True, imports: 
     if not facts["env"]["exists"]:
         return facts
     sp = Path(facts["env"]["site_packages"])
+    # The import checks are other processes: let them run while this one reads the ELF files.
+    pool = ThreadPoolExecutor(max_workers=1)
+    pending = pool.submit(import_facts, env, sp, facts["gpu"]["present"]) if imports else None
     facts["cuda"] = cuda_facts(env, capability)
     lap("cuda")
     facts["elf"] = elf_facts(env, sp, facts["env"].get("torch_version_py") or {})
@@ -576,9 +580,10 @@ def collect(env: Path, capability: str = "12.0", runtime: bool = True, imports: 
     lap("fatbin")
     facts["features"] = features.report(sp, capability)
     lap("features")
-    if imports:
-        facts["imports"] = import_facts(env, sp, facts["gpu"]["present"])
-        lap("imports")
+    if pending is not None:
+        facts["imports"] = pending.result()
+        lap("imports (rest)")
+    pool.shutdown()
     if runtime and facts["gpu"]["present"]:
         facts["runtime"] = runtime_facts(env)
         lap("runtime")

@@ -35,6 +35,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )  # fmt: skip
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Facts are per run: `bwstack verify` may run the checks several times in one process."""
+    _FACTS.clear()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     waivers = []
     for item in config.getoption("--stack-skip"):

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import time
 
 import pytest
 from conftest import needs_py312
@@ -77,3 +81,52 @@ def test_a_bad_target_is_a_clear_usage_error(stack, spec):
     result = stack.run("verify", "--target", spec)
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
+
+
+@pytest.fixture
+def sshd(tmp_path):
+    """A throwaway sshd on 127.0.0.1 (a key of our own, an unprivileged port): a real ssh:// target."""
+    daemon = shutil.which("sshd") or "/usr/sbin/sshd"
+    if not os.path.exists(daemon) or os.geteuid() != 0:
+        pytest.skip("needs root and openssh-server (apt install openssh-server)")
+    keys = tmp_path / "ssh"
+    keys.mkdir(mode=0o700)
+    for name in ("host", "client"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(keys / name)], check=True)
+    (keys / "authorized_keys").write_text((keys / "client.pub").read_text())
+    port = 22000 + os.getpid() % 1000
+    config = keys / "sshd_config"
+    config.write_text(
+        f"Port {port}\nListenAddress 127.0.0.1\nHostKey {keys / 'host'}\nPidFile {keys / 'pid'}\n"
+        f"AuthorizedKeysFile {keys / 'authorized_keys'}\nPermitRootLogin prohibit-password\n"
+        "PasswordAuthentication no\nStrictModes no\nUsePAM no\nSetEnv BWSTACK_TEST_SSH=1\n"
+    )
+    os.makedirs("/run/sshd", exist_ok=True)
+    proc = subprocess.Popen([daemon, "-D", "-e", "-f", str(config)], stderr=subprocess.PIPE, text=True)
+    ssh_config = keys / "client_config"
+    ssh_config.write_text(
+        f"Host bwstack-test\n  HostName 127.0.0.1\n  Port {port}\n  User root\n  IdentityFile {keys / 'client'}\n"
+        "  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n"
+    )
+    for _ in range(50):
+        probe = subprocess.run(["ssh", "-F", str(ssh_config), "bwstack-test", "true"], capture_output=True)
+        if probe.returncode == 0:
+            break
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.skip(f"sshd did not come up: {proc.stderr.read()[-300:] if proc.stderr else ''}")
+    yield ssh_config
+    proc.kill()
+    proc.wait()
+
+
+def test_verify_runs_over_ssh(stack, sshd):
+    stack.build("fixture-new", check=True)
+    target = f"ssh://bwstack-test?ssh_config={sshd}"
+    result = stack.run("verify", "--no-runtime", "--json", "--target", target, "--env", str(stack.ml_env))
+    payload = json.loads(result.stdout)
+    (host,) = payload["hosts"]
+    assert host.startswith("ssh://")
+    checks = {c["check"]: c for c in payload["hosts"][host]["checks"]}
+    assert checks["every_pinned_package_is_at_the_locked_version"]["outcome"] == "passed"
