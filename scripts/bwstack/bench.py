@@ -260,7 +260,7 @@ class Bench:
             unchanged_disk.append(_extra(layout.generations, before) / 2**30)
             site = envinspect.site_packages(store.active().env)
             # what a `pip install` into the env leaves behind: a new file (installers never write in place)
-            (site / f"bench_drift_{len(drift)}.py").write_text("X = 1\n")
+            (site / f"bench_drift_{time.time_ns()}.py").write_text("X = 1\n")
             before = _inodes(layout.generations)
             drift.append(_timed(lambda: backup.backup(store, self.lock, **quiet)))
             drift_disk.append(_extra(layout.generations, before) / 2**30)
