@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -16,8 +17,9 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Replace `path` with `data` so that readers see the old or the new content, never a mix."""
+def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o644, owner: tuple[int, int] | None = None) -> None:
+    """Replace `path` with `data` so that readers see the old or the new content, never a mix. A new inode:
+    a hard link to the old file elsewhere (uv's cache, another generation) keeps the old content."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -26,6 +28,9 @@ def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o644) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.chmod(tmp, mode)
+        if owner is not None and owner != (os.geteuid(), os.getegid()):
+            with contextlib.suppress(PermissionError):  # not root: the file becomes ours, as any rewrite would
+                os.chown(tmp, *owner)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

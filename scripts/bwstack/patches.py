@@ -15,12 +15,9 @@ as root), break hard links into a uv cache instead of writing through them, and 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import os
 import re
 import stat
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from functools import cache
@@ -33,7 +30,7 @@ from packaging.version import InvalidVersion, Version
 
 from bwstack.errors import BwstackError, IntegrityError, PreflightError, UsageError
 from bwstack.features import dist_version
-from bwstack.fsutil import fsync_dir
+from bwstack.fsutil import atomic_write_bytes
 
 # per-file states
 ORIGINAL = "original"
@@ -363,21 +360,7 @@ def _plan(site_packages: Path, patches: list[Patch], revert: bool) -> list[tuple
 def _replace_file(path: Path, data: bytes) -> None:
     """Atomically replace `path` with `data`, keeping its permission bits (and owner, when we may)."""
     st = path.stat()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".bwstack.tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, stat.S_IMODE(st.st_mode))
-        if (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
-            with contextlib.suppress(PermissionError):  # not root: the file becomes ours, as any rewrite would
-                os.chown(tmp, st.st_uid, st.st_gid)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    atomic_write_bytes(path, data, stat.S_IMODE(st.st_mode), owner=(st.st_uid, st.st_gid))
 
 
 def remove_bytecode(site_packages: Path, rel: str) -> tuple[str, ...]:
