@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bwstack import backup, envbuild, envinspect, patches
-from bwstack.errors import BwstackError, UsageError
+from bwstack.errors import BwstackError
 from bwstack.fsutil import free_bytes, tree_size
 from bwstack.generations import (
     Generation,
@@ -293,12 +293,3 @@ def _rollback_target(store: Store, active: Generation | None, to: str | None, pr
                 if gen.name == entry["from"]:
                     return gen
     return gens[-1] if gens else None
-
-
-def ensure_ml_env_free(layout: Layout) -> None:
-    if layout.ml_env.exists() and not layout.ml_env.is_symlink() and not (layout.ml_env / "pyvenv.cfg").exists():
-        raise UsageError(f"{layout.ml_env} exists and is not a Python env; choose another --ml-env")
-
-
-def env_size(path: Path) -> int:
-    return tree_size(path)

@@ -208,11 +208,6 @@ def _versions(elf: ELFFile, endian: str) -> tuple[tuple[int, ...], dict[int, str
     return versym, names
 
 
-def dynamic_symbols(path: str | os.PathLike[str]) -> list[Symbol]:
-    """All named .dynsym entries."""
-    return list(_dynamic_symbols(_key(path)))
-
-
 def undefined_symbols(path: str | os.PathLike[str]) -> list[Symbol]:
     """Symbols the file imports (SHN_UNDEF); weak ones (``.weak``) may stay unresolved at load time."""
     return [s for s in _dynamic_symbols(_key(path)) if not s.defined and s.binding != "LOCAL"]

@@ -61,20 +61,6 @@ def installed(env: Path) -> dict[str, Installed]:
     return found
 
 
-def record_files(dist: Installed) -> list[Path]:
-    """Files a distribution installed, from its RECORD (paths relative to site-packages resolved)."""
-    record = dist.dist_info / "RECORD"
-    if not record.is_file():
-        return []
-    base = dist.dist_info.parent
-    out = []
-    for line in record.read_text(encoding="utf-8", errors="replace").splitlines():
-        path = line.rsplit(",", 2)[0]
-        if path:
-            out.append(Path(os.path.normpath(base / path)))
-    return out
-
-
 def import_torch(env: Path) -> dict:
     """torch's version and CUDA as the env's own interpreter reports them ({'error': ...} when it cannot)."""
     code = (

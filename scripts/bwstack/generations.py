@@ -30,7 +30,7 @@ from pathlib import Path
 
 from bwstack import envinspect, manifest
 from bwstack.errors import BwstackError, IntegrityError, UsageError
-from bwstack.fsutil import atomic_symlink, atomic_write_text, fsync_dir, tree_size
+from bwstack.fsutil import atomic_symlink, atomic_write_text, fsync_dir
 
 RECORD = "record.json"
 MANIFEST = "manifest.json"
@@ -414,17 +414,6 @@ def remove_tree(path: Path) -> None:
         shutil.rmtree(path, onerror=_writable)
 
 
-def world_writable(path: Path) -> list[str]:
-    out = []
-    for dirpath, dirnames, filenames in os.walk(path):
-        for name in dirnames + filenames:
-            p = os.path.join(dirpath, name)
-            st = os.lstat(p)
-            if not stat.S_ISLNK(st.st_mode) and st.st_mode & 0o002:
-                out.append(p)
-    return out
-
-
 HOOK_SOURCE = '''"""Written by bwstack into generation {name} (do not edit; part of its manifest).
 
 Pins this process to the generation it started in (so a switch never changes the code a running server
@@ -525,7 +514,3 @@ def exchange(a: Path, b: Path) -> None:
     if func(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), str(a))
-
-
-def describe_size(path: Path) -> int:
-    return tree_size(path)

@@ -57,10 +57,6 @@ class Target:
         ranks = [self.tag_priority[t] for t in tags if t in self.tag_priority]
         return min(ranks) if ranks else None
 
-    def best_wheel(self, filenames: Iterable[str]) -> str | None:
-        ranked = [(rank, name) for name in filenames if (rank := self.wheel_rank(name)) is not None]
-        return min(ranked)[1] if ranked else None
-
     def marker_env(self, extra: str = "") -> dict[str, str]:
         return {
             "implementation_name": "cpython",
