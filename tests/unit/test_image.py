@@ -516,12 +516,7 @@ def test_full_cu128_image_builds_offline_and_verifies(ci_base):
 
 @pytest.mark.network
 def test_the_benchmark_can_make_an_sglang_only_bump_of_the_real_lock(tmp_path):
-    sys.path.insert(0, str(DOCKER))
-    try:
-        import bench_rebuild
-    finally:
-        sys.path.remove(str(DOCKER))
-    path = bench_rebuild.sglang_only_bump(str(REAL_LOCK), "cu128", "0.5.10", tmp_path / "b.lock.yaml")
+    path = image.sglang_only_bump(str(REAL_LOCK), "cu128", "0.5.10", tmp_path / "b.lock.yaml")
     a, b = load_lock(REAL_LOCK), load_lock(path)
     assert b.profile("cu128").closure.env["sglang"].version == "0.5.10"
     assert b.profile("cu128").closure.env["sglang"].wheels[0].sha256
