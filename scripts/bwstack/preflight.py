@@ -89,6 +89,7 @@ class Report:
             "checks": [c.__dict__ for c in self.checks],
             "warnings": self.warnings,
             "refusal": self.refusal() if not self.ok else "",
+            "report": self.render().splitlines(),
         }
 
     def render(self) -> str:

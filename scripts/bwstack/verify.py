@@ -156,10 +156,8 @@ def render(results: list[CheckResult]) -> str:
         rows = [r for r in results if r.host == host]
         lines.append(f"{host}:")
         for r in sorted(rows, key=lambda r: (RESULT_ORDER.get(r.outcome, 9), r.check)):
-            line = f"  {marks.get(r.outcome, r.outcome):<5} {r.check:<{width}}"
-            if r.message:
-                line += f"  {r.message}"
-            lines.append(line)
+            line = f"  {marks.get(r.outcome, r.outcome):<5} {r.check:<{width}}  {r.message}"
+            lines.append(line.rstrip())
             for note in r.notes:
                 lines.append(f"  {'':<5} {'':<{width}}  note: {note}")
         counts = {k: sum(r.outcome == k for r in rows) for k in ("passed", "failed", "error", "skipped")}
@@ -169,14 +167,28 @@ def render(results: list[CheckResult]) -> str:
     return "\n".join(lines)
 
 
+WAIVED = "waived by the operator"
+
+
 def as_json(results: list[CheckResult]) -> str:
+    """Per-host checks for fleets, plus the rendered table and the failure and waiver lines, so that callers
+    (the verify role) show them as they are instead of re-rendering them."""
     hosts: dict[str, dict] = {}
     for r in results:
         entry = hosts.setdefault(r.host, {"ok": True, "checks": []})
         entry["checks"].append(r.__dict__)
         if r.outcome in ("failed", "error"):
             entry["ok"] = False
-    return json.dumps({"ok": all(h["ok"] for h in hosts.values()) if hosts else False, "hosts": hosts}, indent=2)
+    return json.dumps(
+        {
+            "ok": all(h["ok"] for h in hosts.values()) if hosts else False,
+            "hosts": hosts,
+            "report": render(results).splitlines(),
+            "failures": [f"{r.check}: {r.message}" for r in results if r.outcome in ("failed", "error")],
+            "waived": [f"{r.check}: {r.message}" for r in results if r.message.startswith(WAIVED)],
+        },
+        indent=2,
+    )
 
 
 def ok(results: list[CheckResult]) -> bool:

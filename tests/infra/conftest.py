@@ -15,6 +15,7 @@ import pytest
 
 from bwstack import probe_bundle
 from bwstack.lockfile import Lock, Profile, default_lock_path, load_lock
+from bwstack.verify import WAIVED
 
 CHUNK = 60_000  # base64 characters per command: well under Linux's 128 KiB limit for one argument
 _FACTS: dict[str, dict] = {}
@@ -50,7 +51,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         for name, reason in waivers:
             if name in item.name:
-                item.add_marker(pytest.mark.skip(reason=f"waived by the operator: {reason}"))
+                item.add_marker(pytest.mark.skip(reason=f"{WAIVED}: {reason}"))
 
 
 @pytest.fixture(scope="session")
