@@ -318,13 +318,8 @@ def test_the_cli_has_image_build_verify_and_bench():
 # ------------------------------------------------------------------------------------------------ docker
 
 
-def _daemon() -> tuple[bool, str]:
-    ok, why = image.daemon_available()
-    return ok, why
-
-
-_DOCKER_OK, _DOCKER_WHY = _daemon()
-needs_docker = pytest.mark.skipif(not _DOCKER_OK, reason=f"no Docker daemon reachable: {_DOCKER_WHY}")
+_DOCKER_OK, _DOCKER_WHY = image.daemon_available()
+needs_docker = pytest.mark.skipif(not _DOCKER_OK, reason=_DOCKER_WHY)
 
 
 @pytest.fixture(scope="session")
