@@ -98,6 +98,24 @@ class CudaToolkit:
 
 
 @dataclass(frozen=True)
+class Target:
+    """The hardware a profile is built for: what `serve-plan` simulates where it is absent and what node
+    acceptance measures against."""
+
+    name: str
+    description: str
+    gpu_name: str
+    capability: str
+    count: int
+    memory_gb: int
+    interconnect: str  # "pcie" | "nvlink"
+    datacenter: bool
+    pcie_generation: int
+    pcie_width: int
+    source: str
+
+
+@dataclass(frozen=True)
 class Expectations:
     torch_cuda: str
     cudart_major: int
@@ -142,6 +160,7 @@ class Profile:
     requirements: Mapping[str, Pin]
     overrides: tuple[Override, ...]
     patches: tuple[str, ...]
+    target: Target
     expect: Expectations
     spec: Mapping[str, Any] = field(repr=False)
     closure: Closure | None = None
@@ -197,6 +216,7 @@ class Lock:
     indexes: Mapping[str, Index]
     image_layers: tuple[ImageLayer, ...]
     system_packages: Mapping[str, tuple[str, ...]]
+    targets: Mapping[str, Target]
     profiles: Mapping[str, Profile]
     spec_text: str
 
@@ -416,15 +436,50 @@ def _cuda(node: _Node) -> CudaToolkit:
     )
 
 
-def _expect(node: _Node) -> Expectations:
-    node.only({"torch_cuda", "cudart_major", "target_capability", "sm120_kernels", "features", "known_breaks"})
+CAPABILITY_RE = re.compile(r"^\d+\.\d+$")
+INTERCONNECTS = ("pcie", "nvlink")
+
+
+def _target(name: str, node: _Node) -> Target:
+    node.only(
+        {"description", "gpu_name", "capability", "count", "memory_gb", "interconnect", "datacenter", "pcie", "source"}
+    )
+    interconnect = node.str("interconnect")
+    if interconnect not in INTERCONNECTS:
+        node.fail(f"expected one of {', '.join(INTERCONNECTS)}, got {interconnect!r}", "interconnect")
+    datacenter = node.raw("datacenter")
+    if not isinstance(datacenter, bool):
+        node.fail(f"expected true or false, got {_kind(datacenter)}", "datacenter")
+    pcie = node.node("pcie")
+    pcie.only({"generation", "width"})
+    numbers = {"count": node.int("count"), "memory_gb": node.int("memory_gb")}
+    numbers.update({f"pcie.{k}": pcie.int(k) for k in ("generation", "width")})
+    for key, number in numbers.items():
+        if number < 1:
+            node.fail(f"must be at least 1, got {number}", key)
+    return Target(
+        name=name,
+        description=node.str("description"),
+        gpu_name=node.str("gpu_name"),
+        capability=node.str("capability", pattern=CAPABILITY_RE, hint=' capability like "12.0"'),
+        count=numbers["count"],
+        memory_gb=numbers["memory_gb"],
+        interconnect=interconnect,
+        datacenter=datacenter,
+        pcie_generation=numbers["pcie.generation"],
+        pcie_width=numbers["pcie.width"],
+        source=node.str("source"),
+    )
+
+
+def _expect(node: _Node, target: Target) -> Expectations:
+    node.only({"torch_cuda", "cudart_major", "sm120_kernels", "features", "known_breaks"})
     features_node = node.node("features")
     features: dict[str, str] = {}
     for key, value in features_node.items():
         if value not in FEATURE_STATES:
             features_node.fail(f"expected one of {', '.join(FEATURE_STATES)}, got {_kind(value)}", key)
         features[key] = value
-    cap = node.str("target_capability", pattern=re.compile(r"^\d+\.\d+$"), hint=' capability like "12.0"')
     known: dict[str, str] = {}
     if node.has("known_breaks"):
         breaks = node.node("known_breaks")
@@ -435,15 +490,21 @@ def _expect(node: _Node) -> Expectations:
     return Expectations(
         torch_cuda=node.str("torch_cuda", pattern=re.compile(r"^\d+\.\d+$"), hint=' CUDA version like "13.0"'),
         cudart_major=node.int("cudart_major"),
-        target_capability=cap,
+        target_capability=target.capability,
         sm120_kernels=node.str_list("sm120_kernels"),
         features=features,
         known_breaks=known,
     )
 
 
-def _profile(name: str, node: _Node, indexes: Mapping[str, Index], patch_ids: Iterable[str]) -> Profile:
-    node.only({"description", "python", "platform", "cuda", "requirements", "overrides", "patches", "expect"})
+def _profile(
+    name: str, node: _Node, indexes: Mapping[str, Index], targets: Mapping[str, Target], patch_ids: Iterable[str]
+) -> Profile:
+    node.only({"description", "python", "platform", "cuda", "requirements", "overrides", "patches", "target", "expect"})
+    target_name = node.str("target")
+    if target_name not in targets:
+        node.fail(f"{target_name!r} is not one of the targets ({', '.join(sorted(targets))})", "target")
+    target = targets[target_name]
     python = node.str("python", pattern=re.compile(r"^3\.\d+$"), hint=' Python version like "3.12"')
     platform = node.str("platform", pattern=PLATFORM_RE, hint=" (x86_64-manylinux_2_N)")
     req_node = node.node("requirements")
@@ -484,7 +545,8 @@ def _profile(name: str, node: _Node, indexes: Mapping[str, Index], patch_ids: It
         requirements=requirements,
         overrides=tuple(overrides),
         patches=patches,
-        expect=_expect(node.node("expect")),
+        target=target,
+        expect=_expect(node.node("expect"), target),
         spec=node.value,
     )
 
@@ -555,6 +617,7 @@ def parse_lock(text: str, path: str = "stack.lock.yaml") -> Lock:
             "indexes",
             "image",
             "system_packages",
+            "targets",
             "profiles",
             "closures",
         }
@@ -592,12 +655,20 @@ def parse_lock(text: str, path: str = "stack.lock.yaml") -> Lock:
             if not re.match(r"^[a-z]+-\d+(\.\d+)?$", os_id):
                 sys_node.fail("keys are OS ids like ubuntu-24.04 or debian-12", os_id)
             system[os_id] = sys_node.str_list(os_id)
+    targets_node = root.node("targets")
+    targets = {}
+    for name, value in targets_node.items():
+        if not NAME_RE.match(name):
+            targets_node.fail("not a valid target name", name)
+        targets[name] = _target(name, _Node(path, f"targets.{name}", value))
+    if not targets:
+        targets_node.fail("must define at least one target")
     prof_node = root.node("profiles")
     profiles = {}
     for name, value in prof_node.items():
         if not NAME_RE.match(name):
             prof_node.fail("not a valid profile name", name)
-        profiles[name] = _profile(name, _Node(path, f"profiles.{name}", value), indexes, known_patch_ids())
+        profiles[name] = _profile(name, _Node(path, f"profiles.{name}", value), indexes, targets, known_patch_ids())
     if not profiles:
         prof_node.fail("must define at least one profile")
     default = root.str("default_profile")
@@ -624,6 +695,7 @@ def parse_lock(text: str, path: str = "stack.lock.yaml") -> Lock:
         indexes=indexes,
         image_layers=tuple(layers),
         system_packages=system,
+        targets=targets,
         profiles=profiles,
         spec_text=spec_text,
     )

@@ -49,6 +49,14 @@ def describe(lock: Lock, profile: Profile) -> dict:
             for o in profile.overrides
         ],
         "patches": list(profile.patches),
+        "target": {
+            "name": profile.target.name,
+            "description": profile.target.description,
+            "capability": profile.target.capability,
+            "count": profile.target.count,
+            "memory_gb": profile.target.memory_gb,
+            "interconnect": profile.target.interconnect,
+        },
         "expect": {
             "torch_cuda": profile.expect.torch_cuda,
             "cudart_major": profile.expect.cudart_major,
@@ -87,6 +95,7 @@ def render(payload: dict) -> str:
         for o in payload["overrides"]:
             lines.append(f"    {o['package']} {o['replaces']} -> {o['with']} (for {o['required_by']})")
     lines.append(f"  patches: {', '.join(payload['patches']) or 'none'}")
+    lines.append(f"  target {payload['target']['name']}: {payload['target']['description']}")
     features = ", ".join(f"{k}={v}" for k, v in payload["expect"]["features"].items())
     lines.append(f"  expected on SM{payload['expect']['target_capability'].replace('.', '')}: {features}")
     closure = payload["closure"]

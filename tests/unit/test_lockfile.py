@@ -141,8 +141,23 @@ CASES: list[tuple[str, Callable[[dict], None] | str, str]] = [
     ),
     (
         "capability-format",
-        _set("profiles.cu130.expect.target_capability", "12"),
-        "expect.target_capability: '12' is not valid",
+        _set("targets.rtx-pro-6000-x8-pcie.capability", "12"),
+        "targets.rtx-pro-6000-x8-pcie.capability: '12' is not valid",
+    ),
+    (
+        "profile-target-unknown",
+        _set("profiles.cu128.target", "h100-x8-nvlink"),
+        "profiles.cu128.target: 'h100-x8-nvlink' is not one of the targets",
+    ),
+    (
+        "target-interconnect-unknown",
+        _set("targets.rtx-pro-6000-x8-pcie.interconnect", "infiniband"),
+        "targets.rtx-pro-6000-x8-pcie.interconnect: expected one of pcie, nvlink",
+    ),
+    (
+        "target-count-zero",
+        _set("targets.rtx-pro-6000-x8-pcie.count", 0),
+        "targets.rtx-pro-6000-x8-pcie.count: must be at least 1",
     ),
     (
         "cudart-major-string",
