@@ -195,6 +195,8 @@ def _build_generation(
         applied = patches.apply(envinspect.site_packages(env), profile.patches) if profile.patches else []
         checkpoint("after-patch")
         write_hook(env, name)
+        envbuild.compile_bytecode(env)
+        checkpoint("after-bytecode")
         os.symlink(profile.cuda.home, building / "cuda")
         t0 = time.perf_counter()
         expected = {n: p.version for n, p in closure.env.items()}
@@ -225,14 +227,14 @@ def _build_generation(
             "packages": {n: w.as_dict() for n, w in sorted(wheels.items())},
             "verification": verification,
         }
-        manifest_extra = {
+        meta = {
             "lock_digest": record["lock_digest"],
             "python": record["python"],
             "cuda_home": record["cuda_home"],
             "created": record["created"],
             "packages": record["packages"],
         }
-        gen = store.commit(building, record, manifest_extra, entries)
+        gen = store.commit(building, record, meta, entries)
         checkpoint("after-commit")
         return gen
     except BaseException:
@@ -259,7 +261,10 @@ def rollback(
         store = Store(layout, log)
         store.prepare()
         backup.finish_interrupted_adoption(store, log)
-        active = store.active()
+        problem = store.current_problem()
+        if problem:
+            log(f"warning: {problem}; rolling back repairs it")
+        active = store.active_or_none()
         target = _rollback_target(store, active, to, profile_name)
         if target is None:
             name = profile_name or lock.rollback_profile
@@ -283,7 +288,7 @@ def rollback(
 def _rollback_target(store: Store, active: Generation | None, to: str | None, profile_name: str | None):
     if to is not None:
         return store.get(to)
-    gens = [g for g in store.generations() if active is None or g.name != active.name]
+    gens = [g for g in store.usable() if active is None or g.name != active.name]
     if profile_name is not None:
         matching = [g for g in gens if g.profile == profile_name or g.record.get("nearest_profile") == profile_name]
         return matching[-1] if matching else None

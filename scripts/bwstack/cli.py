@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from bwstack import __version__
+from bwstack import __version__, cliargs
 from bwstack.errors import BwstackError, UsageError
 from bwstack.lockfile import Lock, default_lock_path, load_lock
 
@@ -87,7 +88,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _layout(args: argparse.Namespace):
     from bwstack.generations import Layout
 
-    return Layout.default(args.root, args.ml_env, args.cuda_link)
+    return Layout.default(args.root, args.ml_env, args.cuda_link, getattr(args, "take_over_links", False))
 
 
 def _build_options(args: argparse.Namespace):
@@ -163,7 +164,7 @@ def cmd_rollback(args: argparse.Namespace) -> int:
 
 
 def cmd_backup(args: argparse.Namespace) -> int:
-    from bwstack import backup
+    from bwstack import archive, backup
     from bwstack.generations import Store
     from bwstack.runlock import RunLock
 
@@ -179,7 +180,7 @@ def cmd_backup(args: argparse.Namespace) -> int:
             gen = store.active()
             if gen is None:
                 raise UsageError("nothing to archive: no active generation")
-            result["archive"] = backup.write_archive(gen, Path(args.archive))
+            result["archive"] = archive.write_archive(gen, Path(args.archive))
     text = f"{result['action']}: {result.get('generation')}"
     if args.archive:
         archive = result["archive"]
@@ -189,15 +190,19 @@ def cmd_backup(args: argparse.Namespace) -> int:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    from bwstack import backup
+    from bwstack import archive, backup
     from bwstack.generations import Store
     from bwstack.runlock import RunLock
 
     layout = _layout(args)
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
     with RunLock(layout.root):
-        result = backup.restore(Store(layout, log), Path(args.archive), switch=not args.no_switch, log=log)
-    _report(args, result, f"restored {result['generation']}")
+        store = Store(layout, log)
+        store.prepare()
+        backup.finish_interrupted_adoption(store, log)
+        result = archive.restore(store, Path(args.archive), switch=not args.no_switch, log=log)
+    text = f"restored {result['generation']}" if result.get("changed", True) else result["note"]
+    _report(args, result, text)
     return 0
 
 
@@ -216,13 +221,22 @@ def cmd_adopt(args: argparse.Namespace) -> int:
 
 
 def cmd_generations(args: argparse.Namespace) -> int:
+    """Every generation with its state: `passed` only for one whose checks passed and whose files still
+    match its manifest (a quick check; --check --verify full re-hashes), so nothing listed good is refused
+    by a rollback."""
     from bwstack.generations import Store
 
     layout = _layout(args)
     store = Store(layout)
-    active = store.active()
+    notes = []
+    problem = store.current_problem()
+    if problem:
+        notes.append(f"warning: {problem}")
+    notes += [f"warning: {p}" for p in store.history_lines()[1]]
+    active = store.active_or_none()
     rows = []
     for gen in store.generations():
+        damaged = gen.damaged
         row = {
             "id": gen.id,
             "name": gen.name,
@@ -230,26 +244,38 @@ def cmd_generations(args: argparse.Namespace) -> int:
             "created": gen.record.get("created"),
             "size_bytes": gen.record.get("size_bytes"),
             "active": active is not None and gen.name == active.name,
-            "verified": gen.record.get("verification", {}).get("status"),
+            "path": str(gen.path),
         }
-        if args.check:
-            problems = gen.verify(args.verify)
-            row["integrity"] = "ok" if not problems else f"{len(problems)} problems, e.g. {problems[0]}"
+        if damaged:
+            row.update({"state": "damaged", "why": damaged, "verified": None})
+        else:
+            problems = gen.verify(args.verify if args.check else "quick")
+            verification = gen.record.get("verification", {}).get("status")
+            if problems:
+                more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+                row.update({"state": "changed", "why": f"{problems[0]}{more}", "verified": verification})
+            else:
+                row.update({"state": verification or "unknown", "why": "", "verified": verification})
+            if gen.manifest.legacy:
+                row["note"] = "format 1 manifest (bwstack 0.1): covers env/ only"
         rows.append(row)
+    for note in notes:
+        print(note, file=sys.stderr)
     if args.json:
         _print_json(rows)
-        return 0
+        return 1 if args.check and any(r["state"] in ("damaged", "changed") for r in rows) else 0
     if not rows:
         print(f"no generations in {layout.generations}")
         return 0
     for r in rows:
         size = f"{(r['size_bytes'] or 0) / (1 << 30):.1f} GiB"
         mark = "*" if r["active"] else " "
-        line = f"{mark} {r['id']:>4}  {r['name']:<36} {r['profile']:<28} {r['created']}  {size:>9}  {r['verified']}"
-        if "integrity" in r:
-            line += f"  integrity: {r['integrity']}"
+        profile = str(r["profile"])[:28]
+        line = f"{mark} {r['id']:>4}  {r['name']:<36} {profile:<28} {r['created']!s:<20}  {size:>9}  {r['state']}"
+        if r["why"]:
+            line += f": {r['why']}"
         print(line)
-    return 0
+    return 1 if args.check and any(r["state"] in ("damaged", "changed") for r in rows) else 0
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
@@ -447,6 +473,11 @@ def cmd_probe_bundle(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from bwstack import verify
 
+    checks = cliargs.known_checks(verify.infra_dir())
+    if args.list_checks:
+        print("\n".join(checks))
+        return 0
+    cliargs.parse_waivers(args.skip or (), checks, "--skip")
     results = verify.run_checks(
         args.target,
         lock_path=args.lock,
@@ -488,7 +519,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = cliargs.Parser(
         prog="bwstack",
         description="Provision, snapshot, roll back and verify the pinned SM120 LLM-serving stack.",
     )
@@ -524,6 +555,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the /usr/local/cuda-style link to keep on the active toolkit ('none' to leave it)",
     )
     node.add_argument("--json", action="store_true")
+    node.add_argument(
+        "--take-over-links",
+        action="store_true",
+        help="let this store re-point an ml-env or CUDA link that another store or somebody else made",
+    )
     node.add_argument(
         "--verify", choices=["quick", "full"], default="quick",
         help="manifest check before switching: quick (inode/size/mtime, re-hash what moved) or full (every byte)",
@@ -570,7 +606,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generations)
 
     p = sub.add_parser("prune", parents=[node], help="remove old generations (never the active or last verified)")
-    p.add_argument("--keep", type=int, required=True)
+    p.add_argument("--keep", type=cliargs.positive_int, required=True)
     p.set_defaults(func=cmd_prune)
 
     p = sub.add_parser("fetch", parents=[sources], help="download a profile's wheels (hash-checked) into a directory")
@@ -618,12 +654,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_patch)
 
     p = sub.add_parser("features", parents=[envsel], help="what the installed code will really do on SM120")
-    p.add_argument("--capability", default="12.0", help="target compute capability (default 12.0)")
+    p.add_argument(
+        "--capability", type=cliargs.capability, default="12.0", help="target compute capability (default 12.0)"
+    )
     p.set_defaults(func=cmd_features)
 
     p = sub.add_parser("preflight", parents=[node], help="is this node fit for the profile? (changes nothing)")
     p.add_argument("--profile")
-    p.add_argument("--min-free-gb", type=float, default=25.0)
+    p.add_argument("--min-free-gb", type=cliargs.non_negative_float, default=25.0)
     p.add_argument("--allow-no-gpu", action="store_true", help="accept a CPU-only target (containers, CI), loudly")
     p.add_argument("--allow-other-gpu", action="store_true", help="accept GPUs of another capability, loudly")
     p.set_defaults(func=cmd_preflight)
@@ -635,7 +673,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="the performance figures (P1-P6) against their anchors, in one run")
     p.add_argument("--profile", default="cu128", help="profile to benchmark (default cu128: the one PyPI serves)")
     p.add_argument("--work", default="/var/tmp/bwstack-bench", help="scratch directory (tens of GB for cu128)")
-    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--runs", type=cliargs.positive_int, default=3)
     p.add_argument("--quick", action="store_true", help="a small real closure: checks the harness, not speed")
     p.add_argument("--only", help="comma list, e.g. P1,P3")
     p.add_argument("--json", action="store_true")
@@ -655,7 +693,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--profile", help="profile to check against (default: the env's own)")
     p.add_argument("--env", help="env path on the targets (default: their ml-env)")
-    p.add_argument("--capability", help="target GPU capability (default: the profile's)")
+    p.add_argument("--capability", type=cliargs.capability, help="target GPU capability (default: the profile's)")
     p.add_argument("--no-runtime", action="store_true", help="skip the GPU runtime probes")
     p.add_argument("--facts-dir", help="also write each host's probe facts as JSON here")
     p.add_argument(
@@ -664,6 +702,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="CHECK=REASON",
         help="waive checks whose name contains CHECK, with the reason shown in the report",
     )
+    p.add_argument("--list-checks", action="store_true", help="name every check (what --skip matches against)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_verify)
 
@@ -672,18 +711,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
+        cliargs.reject_empty(parser, args)
         return int(args.func(args))
     except BwstackError as exc:
-        message = " | ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
-        print(f"bwstack: error: {message}", file=sys.stderr)
+        _error(str(exc))
         return exc.exit_code
     except BrokenPipeError:
         return 0
     except KeyboardInterrupt:
-        print("bwstack: interrupted; nothing was switched", file=sys.stderr)
+        print("bwstack: interrupted (a switch is whole or not made; re-run to converge)", file=sys.stderr)
         return 130
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename else ""
+        _error(f"{where}{exc.strerror or exc}")
+        return 2 if isinstance(exc, PermissionError) else 1
+    except Exception as exc:  # the last line of defence: a person gets one line, not a traceback
+        if os.environ.get("BWSTACK_DEBUG"):
+            raise
+        _error(f"internal error ({type(exc).__name__}: {exc}); BWSTACK_DEBUG=1 shows where")
+        return 70
+
+
+def _error(text: str) -> None:
+    message = " | ".join(line.strip() for line in text.strip().splitlines() if line.strip())
+    print(f"bwstack: error: {message}", file=sys.stderr)
 
 
 if __name__ == "__main__":

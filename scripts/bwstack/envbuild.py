@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -72,6 +73,30 @@ def install(
         if "No space left on device" in detail:
             raise BwstackError(f"disk full while installing into {env_dir}; nothing was switched")
         raise BwstackError(f"uv could not install into {env_dir}: {detail}")
+
+
+def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The caller's environment without what would make a child interpreter load other code or other
+    bytecode rules: PYTHONPATH and friends, a CUDA_HOME of the caller's, SOURCE_DATE_EPOCH."""
+    drop = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONPYCACHEPREFIX", "PYTHONDONTWRITEBYTECODE",
+            "SOURCE_DATE_EPOCH", "CUDA_HOME", "VIRTUAL_ENV")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(extra or {})
+    return env
+
+
+def compile_bytecode(env_dir: Path) -> None:
+    """Bytecode for every module of the env, with the env's own interpreter, before the generation is
+    sealed: it becomes part of the manifest, and Python never writes into the generation later (its hook
+    stops that). Sources that do not compile (templates, other Pythons' files) simply get none."""
+    site = envinspect.site_packages(env_dir)
+    cmd = [str(env_dir / "bin" / "python"), "-m", "compileall", "-q", "-q", "-j", "0", str(site)]
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), timeout=3600)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise BwstackError(f"compiling the bytecode of {env_dir} failed: {exc}") from None
+    if result.returncode not in (0, 1):  # 1: some file did not compile, which is not ours to fix
+        raise BwstackError(f"compiling the bytecode of {env_dir} failed: {result.stderr.strip()[-400:]}")
 
 
 def drop_world_write(cache_dir: Path) -> None:

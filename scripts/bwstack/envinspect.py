@@ -71,7 +71,9 @@ def import_torch(env: Path) -> dict:
         "except ImportError as exc:\n"
         "    print(json.dumps({'error': str(exc)}))\n"
     )
+    # no bytecode: this may run inside a generation that is about to be, or already is, sealed
     scrubbed = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    scrubbed["PYTHONDONTWRITEBYTECODE"] = "1"
     try:
         result = subprocess.run(
             [str(Path(env) / "bin" / "python"), "-c", code], capture_output=True, text=True, env=scrubbed, timeout=600

@@ -1,11 +1,18 @@
-"""Integrity manifests of a generation: every file with size, mode and sha256; every symlink with its target.
+"""Integrity manifests of a generation: every path in it with kind, size, mode, owner and sha256.
 
-`__pycache__` is left out: Python writes bytecode there at first import and validates it against the
-source it was compiled from, so it is derived data, not part of what a generation promises.
+A manifest (format 2) covers the whole generation directory except `manifest.json` itself: the directory,
+`record.json`, the `cuda` link and every file, link and directory under `env/`, bytecode included. Bytecode
+is compiled when a generation is built and is part of what it promises; a generation's start-up hook stops
+Python from writing more (root ignores read-only bits), so any `__pycache__` file that appears later is an
+added file, like a `.pth` someone dropped in.
 
-Verification has two depths. `quick` compares each file's inode, size and mtime with the manifest and
-re-hashes only files whose fingerprint moved (any ordinary write moves mtime), so it takes well under a
-second on a 10 GB env. `full` re-hashes every byte and also catches a writer that reset the mtime.
+Verification has two depths. `quick` compares each path's kind, mode, owner and size with the manifest and,
+for files, the inode and mtime; it re-hashes only files whose fingerprint moved (any ordinary write moves
+mtime), so it takes well under a second on a 10 GB env. `full` re-hashes every byte and also catches a
+writer that reset the mtime. Both report every path that is not in the manifest.
+
+Format 1 manifests (bwstack 0.1) listed `env/` only, without owners and without bytecode: they are read
+as such (`legacy`), their generations verify what they recorded, and the listing says so.
 """
 
 from __future__ import annotations
@@ -14,83 +21,188 @@ import hashlib
 import json
 import os
 import stat
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-SKIP_DIRS = {"__pycache__"}
+FORMAT = 2
+MANIFEST_NAME = "manifest.json"
 CHUNK = 4 << 20
+MAX_MANIFEST_BYTES = 512 << 20
+KINDS = ("f", "l", "d")
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be read or does not have the expected shape; the message says where."""
 
 
 @dataclass(frozen=True)
 class Entry:
-    path: str
+    path: str  # relative to the manifest's root; "." is the root itself
     kind: str  # "f" file, "l" symlink, "d" directory
     size: int
     mode: int
     sha256: str  # files: content hash; symlinks: the link target; dirs: ""
     ino: int = 0
     mtime_ns: int = 0
+    uid: int | None = None  # None: a legacy manifest that did not record owners
+    gid: int | None = None
 
     def as_row(self) -> list:
-        return [self.path, self.kind, self.size, self.mode, self.sha256, self.ino, self.mtime_ns]
+        return [self.path, self.kind, self.size, self.mode, self.sha256, self.ino, self.mtime_ns, self.uid, self.gid]
 
     @classmethod
-    def from_row(cls, row: list) -> Entry:
-        return cls(*row)
+    def from_row(cls, row: object) -> Entry:
+        if not isinstance(row, list) or len(row) not in (7, 9):
+            raise ManifestError(f"a file row is not a list of 7 or 9 fields: {str(row)[:80]}")
+        path, kind, size, mode, sha, ino, mtime = row[:7]
+        uid, gid = row[7:9] if len(row) == 9 else (None, None)
+        ok = (
+            isinstance(path, str)
+            and path
+            and "\0" not in path
+            and kind in KINDS
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (size, mode, ino, mtime))
+            and isinstance(sha, str)
+            and all(n is None or (isinstance(n, int) and n >= 0) for n in (uid, gid))
+        )
+        if not ok:
+            raise ManifestError(f"malformed file row for {str(path)[:80]!r}")
+        return cls(path, kind, size, mode, sha, ino, mtime, uid, gid)
+
+    @property
+    def content(self) -> tuple:
+        """What the generation promises about this path (fingerprints aside)."""
+        return (self.path, self.kind, self.size, self.mode, self.sha256)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A parsed manifest document. `root` is what its paths are relative to: the generation directory for
+    format 2, its `env/` for legacy format 1."""
+
+    format: int
+    entries: tuple[Entry, ...]
+    meta: Mapping[str, object]
+
+    @property
+    def legacy(self) -> bool:
+        return self.format == 1
+
+    def content_digest(self) -> str:
+        """Identity of a generation's content: equal for a generation and its restored archive."""
+        rows = sorted(e.content for e in self.entries if e.path not in ("record.json", "."))
+        return "sha256:" + hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()
+
+    def by_path(self) -> dict[str, Entry]:
+        return {e.path: e for e in self.entries}
+
+    def document(self) -> dict:
+        return {**self.meta, "format": self.format, "files": [e.as_row() for e in self.entries]}
+
+
+def parse(text: str | bytes) -> Manifest:
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise ManifestError(f"not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("files"), list):
+        raise ManifestError("not a manifest (no `files` list)")
+    fmt = doc.get("format")
+    if fmt not in (1, FORMAT):
+        raise ManifestError(f"unknown manifest format {str(fmt)[:20]!r}")
+    entries = tuple(Entry.from_row(row) for row in doc["files"])
+    paths = [e.path for e in entries]
+    if len(set(paths)) != len(paths):
+        raise ManifestError("lists a path twice")
+    meta = {k: v for k, v in doc.items() if k not in ("files", "format")}
+    return Manifest(fmt, entries, meta)
+
+
+def read(path: Path) -> Manifest:
+    """Read a manifest file: a regular file (never through a link) of bounded size."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ManifestError(f"{path}: cannot open ({exc.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ManifestError(f"{path}: not a regular file")
+        if st.st_size > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"{path}: {st.st_size} bytes, more than a manifest can be")
+        with os.fdopen(os.dup(fd), "rb") as handle:
+            data = handle.read(MAX_MANIFEST_BYTES + 1)
+    finally:
+        os.close(fd)
+    return parse(data)
 
 
 def hash_file(path: str | os.PathLike) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb", buffering=0) as handle:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with open(fd, "rb", buffering=0) as handle:
         while chunk := handle.read(CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
 
 
-def walk(root: Path) -> Iterator[tuple[str, os.stat_result]]:
-    """(relative path, lstat) of everything under root except bytecode caches, in a stable order."""
+def walk(
+    root: Path, *, skip_top: Iterable[str] = (), skip_dirs: Iterable[str] = ()
+) -> Iterator[tuple[str, os.stat_result]]:
+    """(relative path, lstat) of root itself ("."), then everything under it in a stable order. Never follows
+    a link. `skip_top` names entries of the root to leave out; `skip_dirs` directory names to leave out."""
     root_str = str(root)
+    skip_top, skip_dirs = set(skip_top), set(skip_dirs)
+    yield ".", os.lstat(root_str)
     for dirpath, dirnames, filenames in os.walk(root_str):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
+        at_top = dirpath == root_str
+        dirnames[:] = sorted(d for d in dirnames if d not in skip_dirs and not (at_top and d in skip_top))
         rel_dir = os.path.relpath(dirpath, root_str)
-        for name in sorted(dirnames) + sorted(filenames):
+        names = sorted(dirnames) + sorted(f for f in filenames if not (at_top and f in skip_top))
+        for name in names:
             rel = name if rel_dir == "." else f"{rel_dir}/{name}"
             yield rel, os.lstat(os.path.join(dirpath, name))
 
 
 def build(
-    root: Path, known: Mapping[tuple[int, int, int, int], str] | None = None, workers: int | None = None
+    root: Path,
+    known: Mapping[tuple[int, int, int, int], str] | None = None,
+    workers: int | None = None,
+    skip_top: Iterable[str] = (MANIFEST_NAME,),
 ) -> list[Entry]:
-    """Manifest of `root`. `known` maps (dev, ino, size, mtime_ns) to a sha256 already computed for that
-    inode (files hard-linked from the uv cache into several generations are hashed once)."""
+    """Manifest entries of `root` (a generation directory). `known` maps (dev, ino, size, mtime_ns) to a
+    sha256 already computed for that inode (files hard-linked from the uv cache into several generations
+    are hashed once)."""
     known = known or {}
     entries: list[Entry | None] = []
     to_hash: list[tuple[int, str, os.stat_result]] = []
-    for rel, st in walk(root):
+    for rel, st in walk(root, skip_top=skip_top):
         if stat.S_ISLNK(st.st_mode):
-            entries.append(Entry(rel, "l", 0, 0o777, os.readlink(root / rel)))
+            entries.append(_entry(rel, "l", st, os.readlink(root / rel), size=0))
         elif stat.S_ISDIR(st.st_mode):
-            entries.append(Entry(rel, "d", 0, stat.S_IMODE(st.st_mode), ""))
+            entries.append(_entry(rel, "d", st, "", size=0))
         elif stat.S_ISREG(st.st_mode):
             sha = known.get((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
             if sha is None:
                 to_hash.append((len(entries), rel, st))
                 entries.append(None)
             else:
-                entries.append(_file_entry(rel, st, sha))
+                entries.append(_entry(rel, "f", st, sha))
         else:
             raise ValueError(f"{root / rel}: not a regular file, directory or symlink")
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 2) as pool:
         hashes = pool.map(lambda item: hash_file(root / item[1]), to_hash)
-        for (index, rel, st), sha in zip(to_hash, hashes, strict=False):
-            entries[index] = _file_entry(rel, st, sha)
+        for (index, rel, st), sha in zip(to_hash, hashes, strict=True):
+            entries[index] = _entry(rel, "f", st, sha)
     return [e for e in entries if e is not None]
 
 
-def _file_entry(rel: str, st: os.stat_result, sha: str) -> Entry:
-    return Entry(rel, "f", st.st_size, stat.S_IMODE(st.st_mode), sha, st.st_ino, st.st_mtime_ns)
+def _entry(rel: str, kind: str, st: os.stat_result, sha: str, size: int | None = None) -> Entry:
+    fingerprint = (st.st_ino, st.st_mtime_ns) if kind == "f" else (0, 0)
+    mode = 0o777 if kind == "l" else stat.S_IMODE(st.st_mode)
+    return Entry(rel, kind, st.st_size if size is None else size, mode, sha, *fingerprint, st.st_uid, st.st_gid)
 
 
 @dataclass(frozen=True)
@@ -102,38 +214,80 @@ class Problem:
         return f"{self.path}: {self.what}"
 
 
-def verify(root: Path, entries: list[Entry], depth: str = "quick", workers: int | None = None) -> list[Problem]:
+def _describe_mode(mode: int) -> str:
+    notes = [
+        w for bit, w in ((0o020, "group-writable"), (0o002, "world-writable"), (0o6000, "setuid/setgid")) if mode & bit
+    ]
+    return f"{mode:04o}" + (f" ({', '.join(notes)})" if notes else "")
+
+
+def verify(
+    root: Path,
+    manifest: Manifest | list[Entry],
+    depth: str = "quick",
+    workers: int | None = None,
+    skip_top: Iterable[str] = (MANIFEST_NAME,),
+) -> list[Problem]:
     """Differences between `root` now and its manifest; empty when it verifies."""
+    if isinstance(manifest, Manifest):
+        entries, legacy = manifest.entries, manifest.legacy
+    else:
+        entries, legacy = manifest, False
     expected = {e.path: e for e in entries}
     problems: list[Problem] = []
     suspects: list[Entry] = []
     seen: set[str] = set()
-    for rel, st in walk(root):
+    # A legacy manifest never recorded bytecode or the root directory.
+    skip_dirs = ("__pycache__",) if legacy else ()
+    for rel, st in walk(root, skip_top=skip_top, skip_dirs=skip_dirs):
+        if legacy and rel == ".":
+            continue
         seen.add(rel)
         entry = expected.get(rel)
         if entry is None:
             problems.append(Problem(rel, "not in the manifest (added after the generation was sealed)"))
             continue
-        if stat.S_ISLNK(st.st_mode):
-            target = os.readlink(root / rel)
-            if entry.kind != "l" or target != entry.sha256:
-                problems.append(Problem(rel, f"symlink now points to {target!r}, manifest says {entry.sha256!r}"))
-        elif stat.S_ISDIR(st.st_mode):
-            if entry.kind != "d":
-                problems.append(Problem(rel, "is a directory, manifest says it is not"))
-        elif entry.kind != "f":
-            problems.append(Problem(rel, f"is a file, manifest says {'symlink' if entry.kind == 'l' else 'directory'}"))
-        elif st.st_size != entry.size:
-            problems.append(Problem(rel, f"size {st.st_size}, manifest says {entry.size}"))
-        elif depth == "full" or st.st_ino != entry.ino or st.st_mtime_ns != entry.mtime_ns:
+        problem = _compare(root, rel, st, entry, legacy)
+        if problem:
+            problems.append(Problem(rel, problem))
+        elif entry.kind == "f" and (depth == "full" or st.st_ino != entry.ino or st.st_mtime_ns != entry.mtime_ns):
             suspects.append(entry)
     for rel in sorted(set(expected) - seen):
         problems.append(Problem(rel, "missing"))
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 2) as pool:
-        for entry, sha in zip(suspects, pool.map(lambda e: _safe_hash(root / e.path), suspects), strict=False):
+        for entry, sha in zip(suspects, pool.map(lambda e: _safe_hash(root / e.path), suspects), strict=True):
             if sha != entry.sha256:
                 problems.append(Problem(entry.path, f"content changed (sha256 {sha}, manifest {entry.sha256})"))
     return sorted(problems, key=lambda p: p.path)
+
+
+def _compare(root: Path, rel: str, st: os.stat_result, entry: Entry, legacy: bool) -> str | None:
+    kind = (
+        "l"
+        if stat.S_ISLNK(st.st_mode)
+        else "d"
+        if stat.S_ISDIR(st.st_mode)
+        else "f"
+        if stat.S_ISREG(st.st_mode)
+        else "?"
+    )
+    names = {"f": "a file", "l": "a symlink", "d": "a directory", "?": "a special file"}
+    if kind != entry.kind:
+        return f"is {names[kind]}, manifest says {names[entry.kind]}"
+    if kind == "l":
+        target = os.readlink(root / rel)
+        if target != entry.sha256:
+            return f"symlink now points to {target!r}, manifest says {entry.sha256!r}"
+    mode = stat.S_IMODE(st.st_mode)
+    if kind != "l" and mode != entry.mode and not (legacy and kind == "d"):
+        return f"mode {_describe_mode(mode)}, manifest says {entry.mode:04o}"
+    if kind == "d" and mode & 0o022:
+        return f"mode {_describe_mode(mode)}: a sealed generation has nothing group- or world-writable"
+    if entry.uid is not None and (st.st_uid, st.st_gid) != (entry.uid, entry.gid):
+        return f"owner {st.st_uid}:{st.st_gid}, manifest says {entry.uid}:{entry.gid}"
+    if kind == "f" and st.st_size != entry.size:
+        return f"size {st.st_size}, manifest says {entry.size}"
+    return None
 
 
 def _safe_hash(path: Path) -> str:
@@ -143,22 +297,23 @@ def _safe_hash(path: Path) -> str:
         return f"unreadable ({exc.strerror})"
 
 
-def refingerprint(root: Path, entries: list[Entry]) -> list[Entry]:
-    """The same entries with the inode and mtime the files have now (after a restore made new inodes)."""
+def refingerprint(root: Path, entries: Iterable[Entry]) -> list[Entry]:
+    """The same entries with the inode and mtime the files have now (after a restore or a repair made new
+    inodes with verified content)."""
     out = []
     for e in entries:
         if e.kind == "f":
             st = os.lstat(root / e.path)
-            e = Entry(e.path, e.kind, e.size, stat.S_IMODE(st.st_mode), e.sha256, st.st_ino, st.st_mtime_ns)
+            e = replace(e, ino=st.st_ino, mtime_ns=st.st_mtime_ns)
         out.append(e)
     return out
 
 
-def known_hashes(entries: list[Entry], dev: int) -> dict[tuple[int, int, int, int], str]:
+def known_hashes(entries: Iterable[Entry], dev: int) -> dict[tuple[int, int, int, int], str]:
     return {(dev, e.ino, e.size, e.mtime_ns): e.sha256 for e in entries if e.kind == "f" and e.ino}
 
 
-def total_size(entries: list[Entry]) -> int:
+def total_size(entries: Iterable[Entry]) -> int:
     return sum(e.size for e in entries if e.kind == "f")
 
 
@@ -178,26 +333,28 @@ class HashCache:
 
     def _rows(self) -> list:
         try:
-            return json.loads(self.path.read_text())
+            rows = json.loads(self.path.read_text())
         except (OSError, ValueError):
             return []
+        return rows if isinstance(rows, list) else []
 
     def load(self, dev: int) -> dict[tuple[int, int, int, int], str]:
         known = {}
         for row in self._rows():
-            if len(row) != 6 or row[0] != dev:
+            if not isinstance(row, list) or len(row) != 6 or row[0] != dev:
                 continue
             d, ino, size, mtime, sha, anchor = row
             try:
                 st = os.lstat(anchor)
-            except OSError:
+            except (OSError, TypeError, ValueError):
                 continue
             if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) == (d, ino, size, mtime):
                 known[(d, ino, size, mtime)] = sha
         return known
 
-    def add(self, root: Path, entries: list[Entry]) -> None:
-        rows = [r for r in self._rows() if len(r) == 6]
+    def add(self, root: Path, entries: Iterable[Entry]) -> None:
+        """Best effort: a full disk or an unwritable cache only costs a re-hash later."""
+        rows = [r for r in self._rows() if isinstance(r, list) and len(r) == 6]
         seen = {(r[0], r[1]) for r in rows}
         for e in entries:
             if e.kind != "f":
@@ -208,7 +365,10 @@ class HashCache:
                 rows.append([st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, e.sha256, str(path)])
                 seen.add((st.st_dev, st.st_ino))
         rows = rows[-self.LIMIT :]
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(rows, separators=(",", ":")))
-        os.replace(tmp, self.path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(rows, separators=(",", ":")))
+            os.replace(tmp, self.path)
+        except OSError:
+            tmp.unlink(missing_ok=True)

@@ -51,11 +51,13 @@ def test_quick_verify_sees_a_normal_write_and_full_verify_sees_a_sneaky_one(tmp_
     assert [p.path for p in manifest.verify(root, entries, "full")] == ["f.py"]
 
 
-def test_pycache_is_not_part_of_a_manifest(tmp_path):
+def test_bytecode_is_part_of_a_manifest_and_bytecode_added_later_is_reported(tmp_path):
     root = tmp_path / "env"
     (root / "__pycache__").mkdir(parents=True)
     (root / "__pycache__" / "m.cpython-312.pyc").write_bytes(b"\0")
     (root / "m.py").write_text("")
-    assert [e.path for e in manifest.build(root)] == ["m.py"]
+    entries = manifest.build(root)
+    assert [e.path for e in entries] == [".", "__pycache__", "m.py", "__pycache__/m.cpython-312.pyc"]
     (root / "__pycache__" / "n.cpython-312.pyc").write_bytes(b"\0")
-    assert manifest.verify(root, manifest.build(root), "full") == []
+    problems = manifest.verify(root, entries, "quick")
+    assert [(p.path, "not in the manifest" in p.what) for p in problems] == [("__pycache__/n.cpython-312.pyc", True)]
