@@ -263,7 +263,7 @@ def cmd_generations(args: argparse.Namespace) -> int:
         print(note, file=sys.stderr)
     if args.json:
         _print_json(rows)
-        return 1 if args.check and any(r["state"] in ("damaged", "changed") for r in rows) else 0
+        return 1 if args.check and (problem or any(r["state"] in ("damaged", "changed") for r in rows)) else 0
     if not rows:
         print(f"no generations in {layout.generations}")
         return 0
@@ -275,7 +275,7 @@ def cmd_generations(args: argparse.Namespace) -> int:
         if r["why"]:
             line += f": {r['why']}"
         print(line)
-    return 1 if args.check and any(r["state"] in ("damaged", "changed") for r in rows) else 0
+    return 1 if args.check and (problem or any(r["state"] in ("damaged", "changed") for r in rows)) else 0
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
