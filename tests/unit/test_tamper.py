@@ -136,7 +136,7 @@ def test_running_the_sealed_env_as_root_writes_no_bytecode(two):
 
 
 def test_current_pointing_outside_the_store_is_named_and_a_rollback_repairs_it(two, tmp_path):
-    stack, old, new = two
+    stack, _old, new = two
     fake = tmp_path / "elsewhere" / "generations" / new.name
     fake.mkdir(parents=True)
     current = stack.root / "current"
@@ -257,7 +257,7 @@ def test_drift_whose_original_bytes_are_gone_is_listed_as_changed_never_passed(s
 
 
 def test_a_store_never_re_points_an_ml_env_link_of_another_store(two, tmp_path):
-    stack, _old, new = two
+    stack, _old, _new = two
     trial = {"BWSTACK_ROOT": str(tmp_path / "trial")}
     result = stack.run("build", "--profile", "fixture-old", "--wheelhouse", str(stack.wheelhouse), extra_env=trial)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
@@ -293,7 +293,7 @@ def read_only_dir(tmp_path):
 
 
 def test_a_switch_whose_link_cannot_be_updated_is_undone_and_recorded(two, read_only_dir):
-    stack, old, new = two
+    stack, _old, new = two
     result = stack.run("rollback", "--to", "0", extra_env={"BWSTACK_CUDA_LINK": str(read_only_dir / "cuda")})
     assert result.returncode == 1 and "undone" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert os.readlink(stack.root / "current") == f"generations/{new.name}"
