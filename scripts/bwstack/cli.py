@@ -524,7 +524,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Provision, snapshot, roll back and verify the pinned SM120 LLM-serving stack.",
     )
     parser.add_argument("--version", action="version", version=f"bwstack {__version__}")
-    parser.add_argument("--lock", default=str(default_lock_path()), help="the stack lock (default: %(default)s)")
+    parser.add_argument(
+        "--lock",
+        type=cliargs.existing_file,
+        default=str(default_lock_path()),
+        help="the stack lock (default: %(default)s)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("lock", help="resolve every profile's closure with hashes, or --check the lock")
@@ -566,10 +571,12 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
 
     sources = argparse.ArgumentParser(add_help=False)
-    sources.add_argument("--wheelhouse", action="append", help="directory of wheels to use first (repeatable)")
+    sources.add_argument(
+        "--wheelhouse", action="append", type=cliargs.existing_dir, help="directory of wheels to use first (repeatable)"
+    )
     sources.add_argument("--index", action="append", help="NAME=URL: a mirror for one of the lock's indexes")
     sources.add_argument("--offline", action="store_true", help="use only the store and --wheelhouse")
-    sources.add_argument("--ca-bundle", help="CA bundle for TLS (always verified)")
+    sources.add_argument("--ca-bundle", type=cliargs.existing_file, help="CA bundle for TLS (always verified)")
     sources.add_argument(
         "--allow-unhashed", action="append", metavar="NAME",
         help="install NAME although the lock has no sha256 for it (recorded as unverified)",
@@ -625,7 +632,7 @@ def build_parser() -> argparse.ArgumentParser:
     env_p = sub.add_parser("env", help="low-level env operations")
     env_sub = env_p.add_subparsers(dest="env_command", required=True)
     p = env_sub.add_parser("install", parents=[sources], help="install a rendered requirement file into an env")
-    p.add_argument("--requirements", required=True)
+    p.add_argument("--requirements", type=cliargs.existing_file, required=True)
     p.add_argument("--into", required=True)
     p.add_argument("--python-version", default="3.12")
     p.add_argument("--glibc", type=int, default=28, help="manylinux_2_N of the target (default 28)")

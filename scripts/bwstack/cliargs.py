@@ -55,6 +55,18 @@ def non_negative_float(value: str) -> float:
     return number
 
 
+def existing_file(value: str) -> str:
+    if value.strip() and not Path(value).is_file():
+        raise argparse.ArgumentTypeError(f"{value!r}: no such file")
+    return value
+
+
+def existing_dir(value: str) -> str:
+    if value.strip() and not Path(value).is_dir():
+        raise argparse.ArgumentTypeError(f"{value!r}: no such directory")
+    return value
+
+
 def reject_empty(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Every string value given on the command line must say something."""
     names = _option_names(parser, args)
@@ -120,6 +132,8 @@ def parse_waivers(items: Iterable[str], checks: Iterable[str], option: str = "--
         if not reason:
             raise UsageError(f"{option} {name}: a waiver needs a reason after '=' (it is shown in the report)")
         if not any(name in check for check in checks):
-            raise UsageError(f"{option} {name}: no check's name contains {name!r} (`bwstack verify --list` names them)")
+            raise UsageError(
+                f"{option} {name}: no check's name contains {name!r} (`bwstack verify --list-checks` names them)"
+            )
         waivers.append(Waiver(name, reason))
     return waivers

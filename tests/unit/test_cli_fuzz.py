@@ -1,0 +1,106 @@
+"""Every bad value on the command line is one line on stderr and exit 2, never a traceback.
+
+The invocations are generated from the parser itself, so an option added later is fuzzed too: every option
+that takes a value gets an empty and a blank value, typed options get values of the wrong type, options
+with choices an unknown choice, path options a path that does not exist, and every command an unknown
+option and, where it has them, a missing required argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from bwstack import cliargs
+from bwstack.cli import build_parser, main
+
+PLACEHOLDER = "x"
+BAD_BY_TYPE = {
+    cliargs.capability: ["banana", "12.0.1", "12", "-1.0"],
+    cliargs.positive_int: ["0", "-3", "many", "1.5"],
+    cliargs.non_negative_float: ["-1", "nan", "inf", "lots"],
+    cliargs.existing_file: ["/nonexistent/bwstack-fuzz/file"],
+    cliargs.existing_dir: ["/nonexistent/bwstack-fuzz/dir"],
+    int: ["abc", "1.5"],
+    float: ["abc"],
+}
+
+
+def _commands(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _commands(sub, (*prefix, name))
+            return
+    yield prefix, parser
+
+
+def _value_for(action: argparse.Action) -> str:
+    if action.choices:
+        return str(next(iter(action.choices)))
+    return PLACEHOLDER
+
+
+def _base(parser: argparse.ArgumentParser, skip: argparse.Action | None = None) -> list[str]:
+    """The command's required arguments with placeholder values (the command never runs: every case is
+    refused while its arguments are read)."""
+    args: list[str] = []
+    for action in parser._actions:
+        if action is skip or isinstance(action, argparse._SubParsersAction):
+            continue
+        if not action.option_strings and action.nargs != 0:
+            args.append(_value_for(action))
+        elif action.required:
+            args += [action.option_strings[0], _value_for(action)]
+    return args
+
+
+def _cases() -> list[tuple[str, list[str]]]:
+    cases = []
+    for command, parser in _commands(build_parser()):
+        base = _base(parser)
+        cases.append((f"{' '.join(command)} --no-such-option", [*command, *base, "--no-such-option"]))
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)):
+                continue
+            if action.nargs == 0:
+                continue
+            name = action.option_strings[-1] if action.option_strings else action.dest
+            rest = _base(parser, skip=action)
+
+            def invocation(value: str, action=action, rest=rest) -> list[str]:
+                if action.option_strings:
+                    return [*command, *rest, action.option_strings[-1], value]
+                return [*command, value, *rest] if not rest else [*command, *rest[:0], value, *rest]
+
+            bad = ["", "   "] + BAD_BY_TYPE.get(action.type, [])
+            if action.choices:
+                bad.append("no-such-choice")
+            for value in bad:
+                cases.append((f"{' '.join(command)} {name}={value!r}", invocation(value)))
+            if action.required or not action.option_strings:
+                cases.append((f"{' '.join(command)} without {name}", [*command, *rest]))
+    return cases
+
+
+CASES = _cases()
+
+
+def test_the_fuzz_generates_more_than_a_hundred_bad_invocations():
+    assert len(CASES) > 100
+
+
+@pytest.mark.parametrize(("label", "argv"), CASES, ids=[c[0] for c in CASES])
+def test_a_bad_invocation_gives_one_line_and_exit_2(label, argv, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("BWSTACK_ROOT", str(tmp_path / "root"))
+    monkeypatch.setenv("BWSTACK_ML_ENV", str(tmp_path / "ml-env"))
+    monkeypatch.setenv("BWSTACK_CUDA_LINK", "none")
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert code == 2, f"exit {code}: {err}"
+    assert len(err.strip().splitlines()) == 1, err
