@@ -69,12 +69,12 @@ def _cases() -> list[tuple[str, list[str]]]:
             name = action.option_strings[-1] if action.option_strings else action.dest
             rest = _base(parser, skip=action)
 
-            def invocation(value: str, action=action, rest=rest) -> list[str]:
+            def invocation(value: str, action=action, rest=rest, command=command) -> list[str]:
                 if action.option_strings:
                     return [*command, *rest, action.option_strings[-1], value]
-                return [*command, value, *rest] if not rest else [*command, *rest[:0], value, *rest]
+                return [*command, value, *rest]
 
-            bad = ["", "   "] + BAD_BY_TYPE.get(action.type, [])
+            bad = ["", "   ", *BAD_BY_TYPE.get(action.type, [])]
             if action.choices:
                 bad.append("no-such-choice")
             for value in bad:
