@@ -387,7 +387,12 @@ def restore(store: Store, path: Path, *, switch: bool = True, log=print) -> dict
             except IntegrityError:
                 continue
             if same:
-                return {"generation": gen.name, "changed": False, "note": f"already in the store as {gen.name}"}
+                result = {"generation": gen.name, "changed": False, "note": f"already in the store as {gen.name}"}
+                active = store.active_or_none()
+                if switch and (active is None or active.name != gen.name):
+                    result.update({"changed": True, "switch": store.switch(gen, why=f"restore of {path.name}")})
+                    result["note"] += "; switched to it"
+                return result
         free = os.statvfs(store.layout.generations).f_bavail * os.statvfs(store.layout.generations).f_frsize
         if scan.total_bytes > free:
             raise BwstackError(

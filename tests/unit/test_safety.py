@@ -90,8 +90,10 @@ KILL_POINTS = [
 
 def _invariants_hold(stack, expected_torch: str) -> None:
     assert _active_imports(stack) == expected_torch
-    active = _store(stack).active()
+    store = _store(stack)
+    active = store.active()
     assert active is not None and active.verify("full") == []
+    assert store.history()[-1]["to"] == active.name, "history agrees with current"
 
 
 @pytest.mark.parametrize("point", KILL_POINTS)
@@ -234,6 +236,26 @@ def test_a_corrupted_archive_is_refused_and_nothing_is_switched(stack, tmp_path)
     result = stack.run("restore", str(archive), extra_env=clean)
     assert result.returncode == 5 and "does not match" in result.stderr
     assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("point", ["restore-before-commit", "before-commit-rename", "before-flip", "after-flip"])
+def test_sigkill_during_a_restore_leaves_history_consistent_with_current_and_a_rerun_converges(stack, tmp_path, point):
+    stack.build("fixture-old", check=True)
+    archive = tmp_path / "gen.tar.zst"
+    stack.run("backup", "--archive", str(archive), check=True)
+    env = {
+        "BWSTACK_ROOT": str(tmp_path / "other"),
+        "BWSTACK_CACHE": str(tmp_path / "other" / "cache"),
+        "BWSTACK_ML_ENV": str(tmp_path / "other-env"),
+        "BWSTACK_CUDA_LINK": "none",
+    }
+    stack.build("fixture-new", check=True, extra_env=env)
+    killed = stack.run("restore", str(archive), extra_env=env | {"BWSTACK_TEST_KILL_AT": point})
+    assert killed.returncode == -signal.SIGKILL
+    store = Store(Layout(tmp_path / "other", tmp_path / "other-env", None, None))
+    assert store.history()[-1]["to"] == store.active().name
+    stack.run("restore", str(archive), check=True, extra_env=env)
+    assert Store(Layout(tmp_path / "other", tmp_path / "other-env", None, None)).active().profile == "fixture-old"
 
 
 # ------------------------------------------------------------------------------------------------ full disk
