@@ -29,6 +29,9 @@ CRASHES = "crashes"
 BROKEN = "broken"  # runs, but a kernel it needs is compiled out for the target: wrong results, no error
 NOT_INSTALLED = "not-installed"
 UNKNOWN = "unknown"  # the code moved and this reader cannot find it: update this module
+# Capability majors on which a bwstack run has compared these features' results with a reference on real
+# hardware. None yet: every AVAILABLE here is read from code and says so.
+VALIDATED_MAJORS: tuple[int, ...] = ()
 
 PACKAGES = ("sglang", "flashinfer-python", "flashinfer-cubin", "flashinfer-jit-cache", "sgl-kernel", "torch")
 
@@ -610,17 +613,19 @@ def _fusion(site_packages: Path, major: int, minor: int, versions: dict[str, str
             f"RuntimeError: No supported CUDA architectures found for major versions {majors}."
         )
     else:
-        fusion_guard = guards.get(FUSION_HEADER)
-        if fusion_guard and fusion_guard["excludes_target"]:
+        # Whatever gate or list was widened: kernels compiled empty (or with their synchronisation compiled
+        # out) for this architecture run, do nothing and return garbage. Never AVAILABLE.
+        compiled_out = [g for g in guards.values() if g and g["excludes_target"]]
+        if compiled_out:
             state = BROKEN
+            where = "; ".join(f"{g['file']} lines {g['excluding_lines']}" for g in compiled_out)
             reason = (
-                f"sglang {sg} and {comm_text} admit SM{major}{minor}, but {fusion_guard['file']} compiles "
-                f"fusion kernel code out for it (lines {fusion_guard['excluding_lines']}): wrong results, "
-                "no error."
-            )
+                f"sglang {sg} and {comm_text} admit SM{major}{minor}, but FlashInfer {fi} compiles kernel code "
+                f"out for it ({where}):{caveat or ' '} wrong results, no error."
+            ).replace(":  ", ": ")
         else:
             state = AVAILABLE
-            reason = f"sglang {sg} and {comm_text} both admit SM{major}{minor}.{caveat}"
+            reason = f"sglang {sg} and {comm_text} both admit SM{major}{minor}."
     return out | {"state": state, "reason": reason, "evidence": evidence, "blocked_by": blocked}
 
 
@@ -636,9 +641,22 @@ def report(site_packages: Path, target_capability: str = "12.0") -> dict:
         "target_capability": target_capability,
         "site_packages": str(site_packages),
         "packages": versions,
-        "torch_symm_mem_allreduce": _guarded(_symm_mem, site_packages, major, versions["sglang"]),
-        "flashinfer_allreduce_fusion": _guarded(_fusion, site_packages, major, minor, versions),
+        "torch_symm_mem_allreduce": _unvalidated(_guarded(_symm_mem, site_packages, major, versions["sglang"]), major),
+        "flashinfer_allreduce_fusion": _unvalidated(_guarded(_fusion, site_packages, major, minor, versions), major),
     }
+
+
+def _unvalidated(result: dict, major: int) -> dict:
+    """Every state here is read from code, not measured. An AVAILABLE one on a capability that no bwstack
+    check has run on says so: the code path exists; nobody has shown here that it gives right results."""
+    validated = major in VALIDATED_MAJORS
+    result["validated_on_hardware"] = validated
+    if result.get("state") == AVAILABLE and not validated:
+        result["reason"] += (
+            f" Read from the installed code; not validated on SM{major}x hardware (no bwstack run has compared "
+            "its results with NCCL on such a GPU)."
+        )
+    return result
 
 
 def _guarded(check: Callable[..., dict], *args: object) -> dict:

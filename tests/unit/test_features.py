@@ -178,12 +178,29 @@ def test_a_widened_sglang_gate_with_flashinfer_0_6_4_would_crash_like_the_seed(t
 
 
 @pytest.mark.network
-def test_a_widened_sglang_gate_with_flashinfer_0_6_17_is_available(tmp_path: Path) -> None:
+def test_widening_both_the_gate_and_flashinfer_0_6_4_list_is_broken_never_available(tmp_path: Path) -> None:
+    """The seed's edit: add 12 to sglang's gate and to FlashInfer's list. The kernels still compile empty."""
+    sp = env(tmp_path, sglang="0.5.9", flashinfer="0.6.4")
+    widen_sglang_gate_to_sm120(sp)
+    comm = sp / "flashinfer/jit/comm.py"
+    text = comm.read_text()
+    assert text.count("supported_major_versions=[9, 10]") >= 1
+    comm.write_text(text.replace("supported_major_versions=[9, 10]", "supported_major_versions=[9, 10, 12]"))
+    result = fusion(sp)
+    assert result["state"] == "broken" and result["blocked_by"] == []
+    assert "lamport_style_one_shot_all_reduce_norm_kernel (line 711)" in result["reason"]
+    assert "wrong results, no error" in result["reason"]
+
+
+@pytest.mark.network
+def test_a_widened_sglang_gate_with_flashinfer_0_6_17_is_available_and_says_it_is_unvalidated(tmp_path: Path) -> None:
     sp = env(tmp_path, sglang="0.5.9", flashinfer="0.6.17")
     widen_sglang_gate_to_sm120(sp)
     result = fusion(sp)
     assert (result["state"], result["blocked_by"]) == ("available", [])
     assert result["sglang_gate"]["admitted_majors"] == [9, 10, 12]
+    assert result["validated_on_hardware"] is False
+    assert "not validated on SM12x hardware" in result["reason"]
 
 
 @pytest.mark.network
