@@ -524,9 +524,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Provision, snapshot, roll back and verify the pinned SM120 LLM-serving stack.",
     )
     parser.add_argument("--version", action="version", version=f"bwstack {__version__}")
+    # No type check here: argparse would apply it to the default too, and commands that never read the lock
+    # (generations, prune) must work where no lock file is beside them. load_lock says what is wrong.
     parser.add_argument(
         "--lock",
-        type=cliargs.existing_file,
         default=str(default_lock_path()),
         help="the stack lock (default: %(default)s)",
     )
