@@ -496,7 +496,7 @@ def check_wheelhouses(selected: Iterable[tuple], wheelhouses: Iterable[Path | st
     against the lock now, in parallel: a bad one is refused, named by its path in the wheelhouse, before
     Docker is asked for anything. Wheels the lock has no hash for are returned unchecked (gather_wheels
     refuses them unless allowed by name)."""
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import ThreadPoolExecutor, as_completed
 
     from bwstack.wheelhouse import check_wheel_file
 
@@ -514,8 +514,12 @@ def check_wheelhouses(selected: Iterable[tuple], wheelhouses: Iterable[Path | st
         if wheel.sha256 is not None:
             check_wheel_file(pkg, wheel, candidate, str(candidate))
 
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        list(pool.map(check, found.values()))
+    pool = ThreadPoolExecutor(max_workers=4)
+    try:
+        for done in as_completed([pool.submit(check, item) for item in found.values()]):
+            done.result()  # the first bad wheel refuses the build; what is still queued is dropped
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
     return {name: candidate.resolve() for name, (_, _, candidate) in found.items()}
 
 
