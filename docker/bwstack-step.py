@@ -1,11 +1,13 @@
 """One build step of docker/Dockerfile, run INSIDE the image build (served by `bwstack image build`).
 
-The Dockerfile runs it as
-    python3.12 -c "import sys,urllib.request as u;exec(u.urlopen(sys.argv[1]+'/step.py').read())" \
-        "$BWSTACK_BUILD_SERVER" STEP ARGS...
-where BWSTACK_BUILD_SERVER is the short-lived HTTP server `bwstack image build` runs on the Docker bridge for
-the length of the build. It serves this file, bwstack itself (tool.tar: bwstack's code, its pure-Python
-dependencies and uv), the lock, and exactly the wheels the rendered requirement files name.
+The Dockerfile's step RUNs fetch this file from http://bwstack-build.invalid/step.py, check that its sha256 is
+the build arg BWSTACK_STEP_SHA256 (which bwstack computed from this file), and only then run it as
+    step.py STEP ARGS...
+The name never resolves: the request goes through `http_proxy`, which the build gets from bwstack and which
+holds the short-lived build server's address on the Docker bridge and this build's secret token (urllib sends
+it as Proxy-Authorization; the server refuses requests without it). The server serves this file, bwstack
+itself (tool.tar: bwstack's code, its pure-Python dependencies and uv), the lock, and exactly the wheels the
+rendered requirement files name.
 
 Every step downloads what it needs into a temporary directory, runs the real bwstack command (the same code as
 on a node: `bwstack env install`, `bwstack cuda install`, `bwstack patch apply`), and deletes the directory
@@ -37,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 CHUNK = 1 << 20
 TIMEOUT = 600
+SERVER = "http://bwstack-build.invalid"  # reached through http_proxy (the build server), never resolved
 
 
 def log(message: str) -> None:
@@ -77,8 +80,8 @@ def requirement_files(path: str) -> list[tuple[str, str, bool]]:
 
 
 class Step:
-    def __init__(self, server: str) -> None:
-        self.server = server.rstrip("/")
+    def __init__(self) -> None:
+        self.server = SERVER
         self.tmp = tempfile.mkdtemp(prefix="bwstack-step-", dir="/tmp")
         self.tool = os.path.join(self.tmp, "tool")
         self.wheelhouse = os.path.join(self.tmp, "wheelhouse")
@@ -102,7 +105,7 @@ class Step:
         if want and want != info["digest"]:
             raise SystemExit(
                 f"bwstack-step: the build server's bwstack is {info['digest']}, the build args say {want}: "
-                "two builds on one port? (bwstack image build --build-port)"
+                "refusing to run another bwstack than the one this build was planned with"
             )
         digest = info["digest"][:19]
         log(f"bwstack {info['bwstack_version']} (tool digest {digest}, {size >> 20} MiB), uv {info['uv_version']}")
@@ -211,10 +214,12 @@ def step_patch(step: Step, env: str, patch_ids: list[str]) -> None:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) < 2:
-        raise SystemExit('usage: step.py SERVER (layer FILE | toolkit KEYFILE | patch ENV "ID ...")')
-    server, name, *rest = argv
-    step = Step(server)
+    if len(argv) < 1:
+        raise SystemExit('usage: step.py (layer FILE | toolkit KEYFILE | patch ENV "ID ...")')
+    if not os.environ.get("http_proxy"):
+        raise SystemExit("bwstack-step: no http_proxy: run by `bwstack image build` only (it serves the build)")
+    name, *rest = argv
+    step = Step()
     try:
         if name == "layer" and len(rest) == 1:
             step_layer(step, rest[0])

@@ -36,7 +36,8 @@ from packaging.requirements import Requirement
 from bwstack import backup, build, envinspect, verify
 from bwstack.envbuild import find_python
 from bwstack.generations import Layout, Store, remove_tree
-from bwstack.lockfile import load_lock
+from bwstack.lockfile import load_lock, spec_digest
+from bwstack.lockread import load_yaml, read_lock_text
 from bwstack.targets import Target
 from bwstack.uvtool import run_uv, uv_env
 from bwstack.wheelhouse import Fetcher, Sources, select
@@ -120,7 +121,7 @@ class Bench:
     def _write_lock(self, source: Path, profile: str) -> None:
         """The benchmarked profile as `bench` (in quick mode: a small real subset of its closure), plus a
         twin without patches, so that two real generations exist for the rollback figures."""
-        doc = yaml.safe_load(Path(source).read_text())
+        doc = load_yaml(read_lock_text(Path(source)), str(source))
         spec = json.loads(json.dumps(doc["profiles"][profile]))
         closure = json.loads(json.dumps(doc["closures"][profile]))
         if self.quick:
@@ -144,6 +145,9 @@ class Bench:
         twin_closure = json.loads(json.dumps(closure))
         if self.quick:
             twin_closure["env"].pop("typing-extensions", None)
+        # Each derived closure is what resolving its derived spec gives (a subset, by construction): say so.
+        closure["spec_digest"] = spec_digest(spec)
+        twin_closure["spec_digest"] = spec_digest(twin)
         doc["closures"] = {"bench": closure, "bench-unpatched": twin_closure}
         doc["default_profile"] = doc["rollback_profile"] = "bench"
         self.work.mkdir(parents=True, exist_ok=True)

@@ -49,7 +49,7 @@ class BuildOptions:
 
 def closure_digest(profile: Profile) -> str:
     """What decides an env's content: interpreter, patches and the exact wheel of every package."""
-    closure = profile.require_closure("stack.lock.yaml")
+    closure = profile.require_closure()
     chosen = select(closure.env, Target.of(profile))
     payload = [
         profile.python,
@@ -70,6 +70,7 @@ def find_built(store: Store, profile: Profile, digest: str) -> Generation | None
 
 def plan_build(lock: Lock, profile: Profile, layout: Layout) -> dict:
     """What `build` would do, changing nothing (Ansible check mode)."""
+    profile.require_closure(lock.path)
     store = Store(layout)
     digest = closure_digest(profile)
     active = store.active()
@@ -126,6 +127,7 @@ def _verify_new_env(profile: Profile, env: Path, expected: dict[str, str]) -> tu
 
 
 def build(lock: Lock, profile: Profile, layout: Layout, opts: BuildOptions, log=print) -> dict:
+    profile.require_closure(lock.path)  # a missing or stale closure is refused before the store is touched
     with RunLock(layout.root):
         store = Store(layout, log)
         store.prepare()

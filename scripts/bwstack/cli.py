@@ -293,31 +293,27 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 def cmd_fetch(args: argparse.Namespace) -> int:
     from bwstack.targets import Target
-    from bwstack.wheelhouse import Fetcher, Sources, select
+    from bwstack.wheelhouse import Fetcher, Sources, export, select
 
     lock = _lock(args)
     profile = lock.profile(args.profile)
     closure = profile.require_closure(lock.path)
     _apply_ca(args)
     dest = Path(args.dest)
-    fetcher = Fetcher(
-        dest / ".store", Sources.parse(args.wheelhouse or (), args.index or ()), args.allow_unhashed or ()
-    )
+    log = (lambda m: print(m, file=sys.stderr)) if args.json else print
+    # DEST is the operator's directory (often shared, handed to other machines): what is already in it, its
+    # .store included, is hashed again before it is reused.
+    sources = Sources.parse(args.wheelhouse or (), args.index or (), args.offline)
+    fetcher = Fetcher(dest / ".store", sources, args.allow_unhashed or (), log=log, rehash_store=True)
     parts = {"env": closure.env, "cuda-toolkit": closure.cuda_toolkit}
     chosen = {}
     for part in ["env", "cuda-toolkit"] if args.part == "all" else [args.part]:
         chosen.update(select(parts[part], Target.of(profile)))
     wheels = fetcher.fetch_all(chosen)
-    for wheel in wheels.values():
-        out = dest / wheel.file
-        if not out.exists():
-            try:
-                out.hardlink_to(wheel.path)
-            except OSError:
-                import shutil
-
-                shutil.copyfile(wheel.path, out)
-    _report(args, {n: w.as_dict() for n, w in wheels.items()}, f"{len(wheels)} wheels in {dest}")
+    replaced = export(wheels, dest, log)
+    payload = {n: w.as_dict() for n, w in wheels.items()}
+    text = f"{len(wheels)} wheels in {dest}" + (f" ({len(replaced)} damaged files replaced)" if replaced else "")
+    _report(args, payload, text)
     return 0
 
 

@@ -80,7 +80,7 @@ def matches(profile: Profile, st: ToolkitStatus) -> bool:
 
 def install_pip(profile: Profile, fetcher: Fetcher, home: Path | None = None, log=print) -> ToolkitStatus:
     """Lay the locked toolkit wheels out at `home` (default: the profile's). Idempotent."""
-    closure = profile.require_closure("stack.lock.yaml")
+    closure = profile.require_closure()
     home = Path(home or profile.cuda.home)
     current = status(home)
     if current.exists:

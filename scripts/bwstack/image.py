@@ -6,16 +6,42 @@ How a build works (docker/Dockerfile has the image side):
    renders from the lock under inputs/: one hash-pinned requirement file per image layer (`bwstack render
    --layers`, minus its lock-digest header so an unchanged layer stays byte-identical), the lock's
    system_packages per OS, and the profile's cuda-toolkit requirements. A few KB, whatever the wheelhouse.
-2. The wheels are found on the host, by file name in --wheelhouse directories, else downloaded into bwstack's
-   wheel store (hash-checked; --offline forbids it).
-3. A short-lived HTTP server on the Docker bridge gateway serves the build: the step script
+   A missing or stale closure (a pin edited without `bwstack lock`) is refused here, before anything else.
+2. The wheels are found on the host, by file name in --wheelhouse directories, and every one found there is
+   hashed against the lock before Docker is asked for anything: a bad wheel is refused in seconds, named by
+   its path in the operator's wheelhouse, and no layer, container or image is made. The rest are downloaded
+   into bwstack's wheel store (hash-checked, store entries re-hashed; --offline forbids downloads).
+3. A short-lived server on the Docker bridge gateway feeds the build: the step script
    (docker/bwstack-step.py), bwstack itself (tool.tar: its code, its pure-Python dependencies and uv), the
    lock, the CA bundle if one was given, and exactly the wheels the rendered files name. Each RUN fetches what
    it needs into /tmp, runs the real bwstack command, which checks every sha256, and deletes it: no wheel, no
-   bwstack, no CA in any layer, and a 4.8 GB wheelhouse never goes through the build context.
-4. The build runs through the Docker SDK (docker-py drives the classic builder: no BuildKit secrets or
-   mounts, which is why the server exists). Build args (versions, lock digest, labels) are rendered here.
-   The server listens on a fixed port (--build-port) so its URL, a build arg, does not bust the layer cache.
+   bwstack, no CA in any layer, and a 4.8 GB wheelhouse never goes through the build context. The Dockerfile
+   runs the step script only if its sha256 is the one bwstack computed (build arg BWSTACK_STEP_SHA256).
+4. The server answers only its own build, which proves itself with a per-build secret (a fresh random token;
+   see "The build's secret" below). Any other client on the bridge (another container, another build) gets
+   403. The build runs through the Docker SDK (docker-py drives the classic builder). Build args (versions,
+   lock digest, labels, the step script's sha256) are rendered here; none is secret.
+
+The build's secret. A build arg that changes with every build would, with the classic builder, bust the cache
+of every RUN after it and show in `docker history` (`|N ARG=value /bin/sh -c ...`). BuildKit's secret mounts
+(`RUN --mount=type=secret`) avoid both, but docker-py cannot drive BuildKit (it has no BuildKit session), the
+docker CLI needs the buildx plugin for it since Docker 23 (this project's build host has a CLI without it),
+and the classic builder's cache model (intermediate images, --cache-from the previous chain) would have to
+be replaced. What both builders do offer are the predefined proxy build args: Docker passes HTTP_PROXY,
+http_proxy, HTTPS_PROXY, FTP_PROXY and NO_PROXY (upper and lower case) into every RUN's environment, leaves
+them out of the layer cache key and out of `docker history`, by design, because proxy URLs carry credentials
+(Dockerfile reference, "Predefined ARGs"; checked on this host's Docker 20.10: two builds with different
+tokens share every cached layer, and the history has no trace of it). So the build server is an HTTP proxy
+for one name that never resolves, http://bwstack-build.invalid/, and the build reaches it through
+`http_proxy=http://bwstack:<token>@<bridge gateway>:<port>`: every RUN fetches from that name, urllib sends
+the token as Proxy-Authorization, the server compares it in constant time and refuses anything else (a
+missing or wrong token, another host, a plain request) with 403. The token lives for one build (the server
+stops when the build ends), never enters a layer, the history or an image's config (the tests search
+`docker save` output and every history entry for it), and the address, also in the proxy URL, no longer
+needs a fixed port to keep the cache. Consequences: plain-http traffic of any RUN goes to that proxy, which
+refuses it; the system stage's apt therefore reaches the distribution's archive through the operator's
+HTTP_PROXY if the Docker client sets one, else directly. Whoever can use the Docker socket can read a running
+build's environment, and so the token: that is root on the build host, for whom nothing here is secret.
 
 `image verify` starts a container (entrypoint overridden to sleep), runs the same node checks as `bwstack
 verify --target docker://...` plus image checks (non-root user, labels, history), and removes it.
@@ -24,14 +50,17 @@ verify --target docker://...` plus image checks (non-root user, labels, history)
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import hashlib
+import hmac
 import http.server
 import importlib.metadata
 import io
 import json
 import os
 import re
+import secrets
 import subprocess
 import sys
 import tarfile
@@ -48,7 +77,10 @@ from pathlib import Path
 from bwstack.errors import BwstackError, UsageError
 
 TAG_TEMPLATE = "bwstack/sglang:{profile}-{digest}"
-DEFAULT_BUILD_PORT = 48611
+DEFAULT_BUILD_PORT = 0  # any free port: the address reaches the build in http_proxy, outside the cache key
+# The name the build's RUN steps fetch from. `.invalid` never resolves (RFC 6761): only the build's proxy answers.
+BUILD_HOST = "bwstack-build.invalid"
+PROXY_USER = "bwstack"
 ENV_PATH = "/opt/ml-env"
 LABEL_PROFILE = "io.bwstack.profile"
 LABEL_DIGEST = "io.bwstack.lock-digest"
@@ -249,27 +281,56 @@ def build_tool_bundle(directory: Path, step_script: Path) -> ToolBundle:
 # ------------------------------------------------------------------------------------------------ build server
 
 
-class BuildServer:
-    """Serves the build's inputs to its RUN steps on the Docker bridge, for the length of one build.
+def new_build_token() -> str:
+    """A fresh per-build secret (256 bits, URL-safe: it sits in the userinfo of a proxy URL)."""
+    return secrets.token_urlsafe(32)
 
-    Only named routes exist: /step.py, /tool.tar, /lock.yaml, /ca.pem (when a CA bundle was given) and
-    /wheels/<file> for the wheels the rendered requirement files name; anything else is 404.
+
+class BuildServer:
+    """Serves one build's inputs to its RUN steps on the Docker bridge, for the length of that build.
+
+    It is an HTTP proxy for http://bwstack-build.invalid/ only, and answers only requests that carry the build's
+    token as `Proxy-Authorization: Basic` (user "bwstack"): a missing or wrong token, a request for any other
+    host and a plain (non-proxy) request get 403, counted in `refused`. Only named routes exist: /step.py,
+    /tool.tar, /lock.yaml, /ca.pem (when a CA bundle was given) and /wheels/<file> for the wheels the rendered
+    requirement files name; anything else is 404.
     """
 
-    def __init__(self, host: str, port: int, files: Mapping[str, Path], blobs: Mapping[str, bytes]) -> None:
+    def __init__(self, host: str, port: int, files: Mapping[str, Path], blobs: Mapping[str, bytes], token: str) -> None:
+        if not token:
+            raise ValueError("the build server needs a token")
         self.host = host
         self.port = port
         self.files = dict(files)
         self.blobs = dict(blobs)
         self.requests = 0
         self.bytes_sent = 0
+        self.refused = 0
+        self._token = token
+        self._expected = "Basic " + base64.b64encode(f"{PROXY_USER}:{token}".encode()).decode()
         self._lock = threading.Lock()
         self._httpd: http.server.ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
+        """Where the server listens (no secret in it)."""
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def proxy_url(self) -> str:
+        """The secret: what the build's RUN steps get as http_proxy (see build_secret_args)."""
+        return f"http://{PROXY_USER}:{self._token}@{self.host}:{self.port}"
+
+    def _authorized(self, request: http.server.BaseHTTPRequestHandler) -> tuple[str | None, str]:
+        """(the route, "") for a request of this build, else (None, why it is refused)."""
+        given = request.headers.get("Proxy-Authorization") or ""
+        if not hmac.compare_digest(given.encode(), self._expected.encode()):
+            return None, "no valid build token"
+        target = urllib.parse.urlsplit(request.path)
+        if target.scheme != "http" or target.netloc != BUILD_HOST:
+            return None, f"this proxy serves http://{BUILD_HOST}/ only"
+        return urllib.parse.unquote(target.path), ""
 
     def _handler(self):
         server = self
@@ -287,13 +348,22 @@ class BuildServer:
                 self._serve(head=False)
 
             def _serve(self, head: bool) -> None:
-                route = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
+                route, why = server._authorized(self)
+                if route is None:
+                    with server._lock:
+                        server.refused += 1
+                    self.send_error(403, f"refused by bwstack image build: {why}")
+                    return
                 blob = server.blobs.get(route)
                 path = server.files.get(route)
                 if blob is None and path is None:
                     self.send_error(404, "not served by bwstack image build")
                     return
                 size = len(blob) if blob is not None else path.stat().st_size
+                if not head:
+                    with server._lock:  # counted before the answer, so a client that has it sees the count
+                        server.requests += 1
+                        server.bytes_sent += size
                 self.send_response(200)
                 self.send_header("Content-Type", "application/octet-stream")
                 self.send_header("Content-Length", str(size))
@@ -306,9 +376,6 @@ class BuildServer:
                     self.wfile.flush()
                     with open(path, "rb") as handle:
                         self.connection.sendfile(handle)
-                with server._lock:
-                    server.requests += 1
-                    server.bytes_sent += size
 
         return Handler
 
@@ -317,8 +384,8 @@ class BuildServer:
             self._httpd = http.server.ThreadingHTTPServer((self.host, self.port), self._handler())
         except OSError as exc:
             raise BwstackError(
-                f"cannot serve the build on {self.host}:{self.port} ({exc.strerror}): another build may be "
-                "running, or the Docker daemon is not on this host; pass --build-port N"
+                f"cannot serve the build on {self.host}:{self.port} ({exc.strerror}): the port is taken, or the "
+                "Docker daemon is not on this host; pass another --build-port (0: any free port)"
             ) from None
         self._httpd.daemon_threads = True
         self.port = self._httpd.server_address[1]
@@ -330,6 +397,13 @@ class BuildServer:
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()
+
+
+def build_secret_args(server: BuildServer) -> dict[str, str]:
+    """The build args that carry the secret: only `http_proxy`, which Docker passes to every RUN but keeps out
+    of the cache key and `docker history` (it is a predefined proxy arg, and the Dockerfile must never declare
+    it with ARG, which would put it in both). Never logged, never returned."""
+    return {"http_proxy": server.proxy_url}
 
 
 # ------------------------------------------------------------------------------------------------ docker
@@ -417,17 +491,51 @@ def git_revision() -> str:
 # ------------------------------------------------------------------------------------------------ wheels
 
 
+def check_wheelhouses(selected: Iterable[tuple], wheelhouses: Iterable[Path | str]) -> dict[str, Path]:
+    """file name -> the operator's file, for every selected wheel found (by name) in a wheelhouse, each hashed
+    against the lock now, in parallel: a bad one is refused, named by its path in the wheelhouse, before
+    Docker is asked for anything. Wheels the lock has no hash for are returned unchecked (gather_wheels
+    refuses them unless allowed by name)."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    from bwstack.wheelhouse import check_wheel_file
+
+    found: dict[str, tuple] = {}
+    houses = [Path(h) for h in wheelhouses]
+    for pkg, wheel in selected:  # (LockedPackage, Wheel) pairs, as select() gives them
+        for house in houses:
+            candidate = house / wheel.file
+            if candidate.is_file():  # a link to a wheel counts; a FIFO or a directory of that name does not
+                found[wheel.file] = (pkg, wheel, candidate)
+                break
+
+    def check(item: tuple) -> None:
+        pkg, wheel, candidate = item
+        if wheel.sha256 is not None:
+            check_wheel_file(pkg, wheel, candidate, str(candidate))
+
+    pool = ThreadPoolExecutor(max_workers=4)
+    try:
+        for done in as_completed([pool.submit(check, item) for item in found.values()]):
+            done.result()  # the first bad wheel refuses the build; what is still queued is dropped
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    return {name: candidate.resolve() for name, (_, _, candidate) in found.items()}
+
+
 def gather_wheels(
     selection: Mapping,
-    wheelhouses: Iterable[Path],
+    wheelhouses: Iterable[Path | str],
     *,
     offline: bool,
     store: Path,
     allow_unhashed: Iterable[str],
     log: Log,
+    checked: Mapping[str, Path] | None = None,
 ) -> dict[str, Path]:
-    """file name -> a local file for every selected wheel: from a wheelhouse (by name; the build checks the
-    hash), else downloaded into the store (hash-checked now). Refuses unhashed wheels not allowed by name."""
+    """file name -> a local file for every selected wheel: from a wheelhouse (by name, hash-checked by
+    check_wheelhouses unless `checked` is its result already), else downloaded into the store (hash-checked;
+    store entries re-hashed). Refuses unhashed wheels not allowed by name."""
     from bwstack.wheelhouse import Fetcher, Sources
 
     allowed = set(allow_unhashed)
@@ -440,15 +548,13 @@ def gather_wheels(
             f"the lock has no sha256 for {', '.join(refused)}; refusing to build with unverified wheels "
             f"(pass --allow-unhashed {' --allow-unhashed '.join(refused)} to accept them knowingly)"
         )
+    if checked is None:
+        checked = check_wheelhouses(selection.values(), wheelhouses)
     found: dict[str, Path] = {}
     missing = {}
-    houses = [Path(h) for h in wheelhouses]
     for name, (pkg, wheel) in selection.items():
-        for house in houses:
-            candidate = house / wheel.file
-            if candidate.is_file():
-                found[wheel.file] = candidate.resolve()
-                break
+        if wheel.file in checked:
+            found[wheel.file] = checked[wheel.file]
         else:
             missing[name] = (pkg, wheel)
     if missing and offline:
@@ -459,7 +565,7 @@ def gather_wheels(
         )
     if missing:
         log(f"downloading {len(missing)} wheel(s) into {store} (hash-checked) ...")
-        fetcher = Fetcher(store, Sources(), allowed & set(missing), log=log)
+        fetcher = Fetcher(store, Sources(), allowed & set(missing), log=log, rehash_store=True)
         for wheel in fetcher.fetch_all(missing).values():
             found[wheel.file] = wheel.path
     return found
@@ -491,14 +597,16 @@ class Step:
     seconds: float = 0.0
 
 
-def _build_args(lock, profile, base: str, server_url: str, tool: ToolBundle, allow: Iterable[str]) -> dict:
+def _build_args(lock, profile, base: str, step_sha256: str, tool: ToolBundle, allow: Iterable[str]) -> dict:
+    """The build's public args: in the cache key and `docker history`, so nothing secret and nothing that
+    changes from one build of the same lock to the next (except the labels' creation time, used last)."""
     from bwstack import __version__
     from bwstack.show import stack_versions
 
     versions = stack_versions(profile)
     return {
         "BASE_IMAGE": base,
-        "BWSTACK_BUILD_SERVER": server_url,
+        "BWSTACK_STEP_SHA256": step_sha256,
         "BWSTACK_TOOL_DIGEST": tool.digest,
         "BWSTACK_PYTHON": profile.python,
         "BWSTACK_ALLOW_UNHASHED": " ".join(sorted(allow)),
@@ -578,21 +686,26 @@ def _default_store() -> Path:
     return Layout.default().wheel_store
 
 
-def build(lock, profile, opts: BuildOptions, log: Log = _stderr) -> dict:
-    """Build the profile's serving image; returns what was built (tag, id, size, timings, cache hits)."""
+def build(lock, profile, opts: BuildOptions, log: Log = _stderr, *, token: str | None = None) -> dict:
+    """Build the profile's serving image; returns what was built (tag, id, size, timings, cache hits).
+
+    Everything that can be refused without Docker is refused first (the lock, the Dockerfile's layers, every
+    wheel in the operator's wheelhouses); `token` is the build server's secret (default: a fresh one)."""
     if opts.ca_bundle and not Path(opts.ca_bundle).is_file():
         raise UsageError(f"--ca-bundle {opts.ca_bundle}: no such file")
-    if opts.ca_bundle:  # the host-side downloads use it too, like every bwstack command
-        os.environ["REQUESTS_CA_BUNDLE"] = os.environ["SSL_CERT_FILE"] = str(Path(opts.ca_bundle).resolve())
-    client = docker_client()
-    base = opts.base_image or profile.cuda.docker_base
     tag = image_tag(opts.tag or TAG_TEMPLATE, profile)
     docker = docker_dir()
-    step_script = docker / "bwstack-step.py"
+    step_blob = (docker / "bwstack-step.py").read_bytes()  # read once: the bytes hashed are the bytes served
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bwstack-image-") as tmp:
         context = Path(opts.context_dir) if opts.context_dir else Path(tmp, "context")
         staged = stage_context(lock, profile, context, docker / "Dockerfile")
+        every = [*staged.env_selection.values(), *staged.toolkit_selection.values()]
+        checked = check_wheelhouses(every, opts.wheelhouses)
+        if opts.ca_bundle:  # the host-side downloads use it too, like every bwstack command
+            os.environ["REQUESTS_CA_BUNDLE"] = os.environ["SSL_CERT_FILE"] = str(Path(opts.ca_bundle).resolve())
+        client = docker_client()
+        base = opts.base_image or profile.cuda.docker_base
         ensure_image(client, base, log)
         has_cuda = base_has_cuda(client, base)
         log(
@@ -609,26 +722,32 @@ def build(lock, profile, opts: BuildOptions, log: Log = _stderr) -> dict:
         store = Path(opts.store) if opts.store else _default_store()
         wheels = gather_wheels(
             selection, opts.wheelhouses, offline=opts.offline, store=store,
-            allow_unhashed=opts.allow_unhashed, log=log,
+            allow_unhashed=opts.allow_unhashed, log=log, checked=checked,
         )  # fmt: skip
-        tool = build_tool_bundle(Path(tmp), step_script)
+        tool = build_tool_bundle(Path(tmp), docker / "bwstack-step.py")
         files = {f"/wheels/{name}": path for name, path in wheels.items()}
         files["/tool.tar"] = tool.path
         files["/lock.yaml"] = Path(lock.path).resolve()
         if opts.ca_bundle:
             files["/ca.pem"] = Path(opts.ca_bundle).resolve()
-        blobs = {"/step.py": step_script.read_bytes()}
+        blobs = {"/step.py": step_blob}
         allowed = set(opts.allow_unhashed)
         prepared = time.monotonic() - t0
-        with BuildServer(bridge_gateway(client), opts.port, files, blobs) as server:
-            args = _build_args(lock, profile, base, server.url, tool, allowed)
+        step_sha256 = hashlib.sha256(step_blob).hexdigest()
+        server = BuildServer(bridge_gateway(client), opts.port, files, blobs, token or new_build_token())
+        with server:
+            args = _build_args(lock, profile, base, step_sha256, tool, allowed)
             log(f"building {tag} from {base}: {len(wheels)} wheels served at {server.url} ({tool.size >> 20} MiB tool)")
             t1 = time.monotonic()
             image_id, steps, stage_images = run_build(
-                client, context, tag, args, no_cache=opts.no_cache, log=log, cache_from=opts.cache_from
-            )
+                client, context, tag, {**args, **build_secret_args(server)}, no_cache=opts.no_cache, log=log,
+                cache_from=opts.cache_from,
+            )  # fmt: skip
             build_seconds = time.monotonic() - t1
             served = server.bytes_sent
+            refused = server.refused
+    if refused:
+        log(f"the build server refused {refused} request(s) without this build's token")
     image = client.images.get(image_id)
     return {
         "tag": tag,
@@ -646,6 +765,7 @@ def build(lock, profile, opts: BuildOptions, log: Log = _stderr) -> dict:
         "stage_images": stage_images,
         "wheels": len(wheels),
         "bytes_served": served,
+        "requests_refused": refused,
     }
 
 
@@ -663,6 +783,8 @@ def history_problems(history: list[dict]) -> list[str]:
             problems.append(f"a certificate or key file is copied in: {created_by[:160]}")
         if re.search(r"\b(SSL_CERT_FILE|REQUESTS_CA_BUNDLE|PIP_CERT|CURL_CA_BUNDLE)=", created_by):
             problems.append(f"a CA bundle setting is baked in: {created_by[:160]}")
+        if re.search(r"_proxy=\S*://[^\s/@]*:[^\s/@]*@", created_by, re.IGNORECASE):
+            problems.append("a proxy URL with credentials (e.g. a build token) is in the history")
     return problems
 
 
@@ -965,6 +1087,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0-65535; 0: any free port)")
+    return port
+
+
 def _build_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", help="the lock's profile (default: its default_profile)")
     p.add_argument("--wheelhouse", action="append", help="directory of wheels, used first by file name (repeatable)")
@@ -986,10 +1118,10 @@ def _build_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--build-port",
-        type=int,
+        type=_port,
         default=DEFAULT_BUILD_PORT,
-        help="port of the build's file server on the Docker bridge (default %(default)s; "
-        "a fixed port keeps the layer cache)",
+        help="port of the build's file server on the Docker bridge (default: any free port; the address "
+        "reaches the build outside the layer cache key, so any port keeps the cache)",
     )
     p.add_argument("--store", help="wheel store for downloads (default: bwstack's, e.g. /opt/bwstack/cache/wheels)")
     p.add_argument("--quiet", action="store_true", help="do not stream the build's output")

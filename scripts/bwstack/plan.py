@@ -95,7 +95,7 @@ def plan_env(profile: Profile, env: Path | None, root: str | None = None, ml_env
 
         env = Layout.default(root, ml_env).ml_env
     if not env.exists():
-        closure = profile.require_closure("stack.lock.yaml")
+        closure = profile.require_closure()
         plan = EnvPlan(profile.name, str(env), None)
         plan.missing = [{"name": n, "version": p.version} for n, p in sorted(closure.env.items())]
         return plan
@@ -103,7 +103,7 @@ def plan_env(profile: Profile, env: Path | None, root: str | None = None, ml_env
         have = envinspect.installed(env)
     except FileNotFoundError as exc:
         raise UsageError(str(exc)) from None
-    closure = profile.require_closure("stack.lock.yaml")
+    closure = profile.require_closure()
     generation, hashes = _installed_hashes(env)
     plan = EnvPlan(profile.name, str(env), generation)
     for name, pkg in sorted(closure.env.items()):

@@ -1,9 +1,15 @@
 """Fetch a closure's wheels into a content-addressed store, each checked against the lock's sha256.
 
 Sources, in order: the store itself, local wheelhouse directories (offline nodes, image builds), a mirror
-for the wheel's index (`--index NAME=URL`, a PEP 503/691 simple index), then the URL the lock records.
-A wheel whose bytes do not hash to the lock's value is refused with the package named and never enters
-the store. A wheel the lock has no hash for is fetched only when the user names it in --allow-unhashed.
+for the wheel's index (`--index NAME=URL`, a PEP 503/691 simple index), then the URL the lock records;
+`offline` stops before the mirror. A wheel whose bytes do not hash to the lock's value is refused with the
+package and the file named and never enters the store. A wheel the lock has no hash for is fetched only when
+the user names it in --allow-unhashed.
+
+What a fetch reuses is checked where it enters: with `rehash_store` (`bwstack fetch`, `image build`) a store
+entry is hashed again before it is used, and a damaged one is removed and fetched again; `export` hashes what
+already lies in a destination directory before it keeps it. The node's own store (root-owned, written only
+by bwstack) is not re-read on every build: uv checks every wheel's sha256 again when it installs it.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -98,6 +105,26 @@ def _hash_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _is_regular(path: Path) -> bool:
+    """A regular file at path itself (no link, FIFO or device: hashing one of those could block or lie)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def check_wheel_file(pkg: LockedPackage, wheel: Wheel, path: Path, origin: str) -> str:
+    """The sha256 of a local wheel file, which must be the lock's (when it has one); the refusal names both."""
+    actual = _hash_file(path)
+    if wheel.sha256 is not None and actual != wheel.sha256:
+        raise HashMismatchError(
+            f"{pkg.name} {pkg.version}: {wheel.file} from {origin} has sha256 {actual}, the lock expects "
+            f"{wheel.sha256}; refused (if upstream re-uploaded it, re-run `bwstack lock` from a network "
+            f"that reaches it; otherwise the file is not the one the lock names)"
+        )
+    return actual
+
+
 class Fetcher:
     def __init__(
         self,
@@ -106,12 +133,15 @@ class Fetcher:
         allow_unhashed: Iterable[str] = (),
         http: requests.Session | None = None,
         log=print,
+        *,
+        rehash_store: bool = False,
     ) -> None:
         self.store = Path(store)
         self.sources = sources
         self.allow_unhashed = set(allow_unhashed)
         self.http = http or pypi.session()
         self.log = log
+        self.rehash_store = rehash_store
 
     def fetch_all(self, selection: Mapping[str, tuple[LockedPackage, Wheel]]) -> dict[str, LocalWheel]:
         unknown = self.allow_unhashed - set(selection)
@@ -135,8 +165,8 @@ class Fetcher:
 
     def fetch(self, pkg: LockedPackage, wheel: Wheel) -> LocalWheel:
         if wheel.sha256 is not None:
-            cached = _store_path(self.store, wheel.sha256, wheel.file)
-            if cached.is_file():
+            cached = self._cached(pkg, wheel)
+            if cached is not None:
                 return LocalWheel(pkg.name, pkg.version, wheel.file, cached, wheel.sha256, True)
         for house in self.sources.wheelhouses:
             candidate = house / wheel.file
@@ -152,6 +182,27 @@ class Fetcher:
             return self._admit(pkg, wheel, Path(url[len("file://") :]), url, copy=True)
         tmp = self._download(pkg, wheel, url)
         return self._admit(pkg, wheel, tmp, url, copy=False)
+
+    def _cached(self, pkg: LockedPackage, wheel: Wheel) -> Path | None:
+        """The store's copy of a hashed wheel, if it has one (re-hashed first with rehash_store)."""
+        assert wheel.sha256 is not None
+        cached = _store_path(self.store, wheel.sha256, wheel.file)
+        if not (cached.is_file() if not self.rehash_store else _is_regular(cached)):
+            if self.rehash_store and os.path.lexists(cached):
+                self._discard(pkg, cached, "is not a regular file")
+            return None
+        if self.rehash_store:
+            actual = _hash_file(cached)
+            if actual != wheel.sha256:
+                self._discard(pkg, cached, f"has sha256 {actual}, not the lock's {wheel.sha256}")
+                return None
+        return cached
+
+    def _discard(self, pkg: LockedPackage, cached: Path, why: str) -> None:
+        if cached.is_dir() and not cached.is_symlink():
+            raise BwstackError(f"{pkg.name} {pkg.version}: the store's {cached} {why}; remove it by hand")
+        cached.unlink()
+        self.log(f"WARNING: {pkg.name} {pkg.version}: the store's {cached} {why}: removed; fetching it again")
 
     def _mirror_url(self, pkg: LockedPackage, wheel: Wheel) -> str | None:
         mirror = self.sources.index_mirrors.get(pkg.index)
@@ -202,15 +253,12 @@ class Fetcher:
         return tmp
 
     def _admit(self, pkg: LockedPackage, wheel: Wheel, path: Path, origin: str, *, copy: bool) -> LocalWheel:
-        actual = _hash_file(path)
-        if wheel.sha256 is not None and actual != wheel.sha256:
+        try:
+            actual = check_wheel_file(pkg, wheel, path, origin)
+        except HashMismatchError:
             if not copy:
                 path.unlink(missing_ok=True)
-            raise HashMismatchError(
-                f"{pkg.name} {pkg.version}: {wheel.file} from {origin} has sha256 {actual}, the lock expects "
-                f"{wheel.sha256}; refused (if upstream re-uploaded it, re-run `bwstack lock` from a network "
-                f"that reaches it; otherwise the file is not the one the lock names)"
-            )
+            raise
         verified = wheel.sha256 is not None
         if not verified:
             self.log(
@@ -247,3 +295,39 @@ def link_dir(wheels: Mapping[str, LocalWheel], directory: Path) -> Path:
             link.unlink()
         link.symlink_to(wheel.path)
     return directory
+
+
+def export(wheels: Mapping[str, LocalWheel], directory: Path, log=print) -> list[str]:
+    """Put every fetched wheel at directory/<file> (a hard link into the store, else a copy); returns what was
+    replaced. What already lies there is kept only if it is a regular file with the wheel's sha256: anything
+    else (a damaged or swapped file, a link, a FIFO) is replaced with the verified wheel, and said so."""
+    replaced = []
+    for wheel in sorted(wheels.values(), key=lambda w: w.file):
+        out = directory / wheel.file
+        if _is_regular(out):
+            actual = _hash_file(out)
+            if actual == wheel.sha256:
+                continue
+            why = f"has sha256 {actual}, not {wheel.sha256}"
+        elif os.path.lexists(out):
+            if out.is_dir() and not out.is_symlink():
+                raise BwstackError(f"{out} is a directory where {wheel.package}'s wheel belongs: remove it")
+            why = "is not a regular file"
+        else:
+            _place(wheel.path, out)
+            continue
+        _place(wheel.path, out)
+        replaced.append(str(out))
+        log(f"WARNING: {out} {why}: replaced with the verified wheel ({wheel.package} {wheel.version})")
+    return replaced
+
+
+def _place(source: Path, out: Path) -> None:
+    """source at out, atomically: a hard link where the filesystem allows, else a copy."""
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(source, tmp)
+    except OSError:
+        shutil.copyfile(source, tmp)
+    os.replace(tmp, out)

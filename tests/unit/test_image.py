@@ -1,24 +1,33 @@
 """`bwstack image`: the serving image from the same lock.
 
 Fast tests (no daemon): the staged context (per-layer files rendered from the lock, byte-stable across an
-app-only bump), the Dockerfile's layer steps against the lock, the tag, the tool bundle, the build server,
-the step script installing a real layer through a real server, the history/CA checks, hadolint.
+app-only bump), the Dockerfile's layer steps against the lock, the tag, the tool bundle, the build server and
+its per-build token, the Dockerfile's own loader refusing a step script whose sha256 differs, a bad wheel in
+the wheelhouse refused before Docker is asked for anything, the step script installing a real layer through a
+real server, the history/CA checks, hadolint.
 
 Docker tests (`docker` marker; skipped with the reason when no daemon is reachable): build a REAL image from
 docker/ci/ci-small.lock.yaml (small real PyPI packages in every layer, a CUDA 13 nvcc from PyPI wheels) on
 the debootstrap CI base, offline from a wheelhouse, with an extra CA; then check it runs as non-root, carries
-the lock digest, holds no CA and no bwstack, passes `bwstack image verify`, and that an app-only bump
-rebuilds only the app layer. The `slow` one builds and verifies the full cu128 profile.
+the lock digest, holds no CA, no bwstack and no trace of the build's token (layers, config, history), passes
+`bwstack image verify`, and that an app-only bump (another build, another token, another port) rebuilds only
+the app layer; a container on the bridge without the token is refused by the real server, and a real build
+whose server serves another step script stops at the Dockerfile's check. The `slow` one builds and verifies the
+full cu128 profile.
 """
 
 from __future__ import annotations
 
+import hashlib
+import http.client
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -27,8 +36,9 @@ import pytest
 from conftest import REAL_LOCK, REPO, bwstack, needs_py312
 
 from bwstack import image
-from bwstack.errors import BwstackError, UsageError
+from bwstack.errors import BwstackError, HashMismatchError, UsageError
 from bwstack.lockfile import load_lock
+from fixtures import fakestack
 
 DOCKER = REPO / "docker"
 CI_LOCK = DOCKER / "ci" / "ci-small.lock.yaml"
@@ -74,6 +84,38 @@ def test_dockerfile_keeps_versions_and_secrets_out():
     assert "USER 10001:10001" in text
     assert "CUDA_HOME=/usr/local/cuda" in text
     assert "--mount=type=secret" not in text  # the classic builder (docker-py) has none: see image.py
+    # The build's token rides in http_proxy, which Docker keeps out of the cache key and the history only as
+    # long as no ARG declares it.
+    declared = {line.split()[1].split("=")[0].lower() for line in lines if line.startswith("ARG ")}
+    assert not declared & {"http_proxy", "https_proxy", "ftp_proxy", "no_proxy", "all_proxy"}, declared
+
+
+def _step_runs() -> list[list[str]]:
+    """The Dockerfile's step RUNs as argv: python3.12 -c LOADER "${BWSTACK_STEP_SHA256}" STEP ARGS..."""
+    text = (DOCKER / "Dockerfile").read_text().replace("\\\n", "")
+    return [shlex.split(line[4:]) for line in text.splitlines() if line.startswith("RUN python3.12 -c ")]
+
+
+def test_every_step_run_checks_the_step_script_with_one_loader():
+    runs = _step_runs()
+    assert [r[4] for r in runs] == ["toolkit", "layer", "layer", "layer", "patch"]
+    assert {r[2] for r in runs} == {runs[0][2]}, "every step RUN must use the same loader"
+    assert {r[3] for r in runs} == {"${BWSTACK_STEP_SHA256}"}
+    assert image.BUILD_HOST in runs[0][2] and "sha256" in runs[0][2]
+
+
+def test_the_build_token_reaches_the_build_only_in_a_proxy_arg(tmp_path):
+    """The public build args (cache key, history) hold no secret; the secret args are only Docker's predefined
+    proxy args, which it leaves out of both."""
+    token = image.new_build_token()
+    lock = load_lock(CI_LOCK)
+    bundle = image.ToolBundle(tmp_path / "tool.tar", "sha256:" + "0" * 64, 0)
+    with image.BuildServer("127.0.0.1", 0, {}, {}, token) as server:
+        public = image._build_args(lock, lock.profile(None), "base:1", "f" * 64, bundle, [])
+        secret = image.build_secret_args(server)
+    assert not [k for k, v in public.items() if token in v or k.lower().endswith("_proxy")]
+    assert set(secret) <= {"http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "ftp_proxy", "FTP_PROXY"}
+    assert token in secret["http_proxy"] and image.new_build_token() != token
 
 
 def test_stage_context_renders_the_lock_per_layer(tmp_path):
@@ -209,23 +251,154 @@ def _get(url: str) -> tuple[int, bytes]:
         return exc.code, b""
 
 
+def _via(server: image.BuildServer, route: str, *, proxy: str | None = None) -> tuple[int, bytes]:
+    """GET http://bwstack-build.invalid<route> the way the build's RUN steps do: through the proxy in http_proxy."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({"http": proxy or server.proxy_url}))
+    try:
+        with opener.open(f"http://{image.BUILD_HOST}{route}", timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, b""
+
+
 def test_the_build_server_serves_only_named_files(tmp_path):
     wheel = tmp_path / "a-1.0-py3-none-any.whl"
     wheel.write_bytes(b"x" * 100_000)
     (tmp_path / "secret").write_text("no")
     files = {f"/wheels/{wheel.name}": wheel}
-    with image.BuildServer("127.0.0.1", 0, files, {"/step.py": b"print(1)\n"}) as server:
-        assert _get(f"{server.url}/step.py") == (200, b"print(1)\n")
-        assert _get(f"{server.url}/wheels/{wheel.name}") == (200, b"x" * 100_000)
-        assert _get(f"{server.url}/wheels/secret")[0] == 404
-        assert _get(f"{server.url}/wheels/../secret")[0] == 404
-        assert _get(f"{server.url}/ca.pem")[0] == 404
-        assert server.bytes_sent == 100_000 + 9
+    with image.BuildServer("127.0.0.1", 0, files, {"/step.py": b"print(1)\n"}, image.new_build_token()) as server:
+        assert _via(server, "/step.py") == (200, b"print(1)\n")
+        assert _via(server, f"/wheels/{wheel.name}") == (200, b"x" * 100_000)
+        assert _via(server, "/wheels/secret")[0] == 404
+        assert _via(server, "/wheels/../secret")[0] == 404
+        assert _via(server, "/ca.pem")[0] == 404
+        assert server.bytes_sent == 100_000 + 9 and server.refused == 0
+
+
+def _raw(server: image.BuildServer, target: str, headers: dict[str, str]) -> int:
+    connection = http.client.HTTPConnection(server.host, server.port, timeout=10)
+    connection.request("GET", target, headers=headers)
+    status = connection.getresponse().status
+    connection.close()
+    return status
+
+
+def _basic(user: str, password: str) -> str:
+    import base64
+
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+
+TOKEN = "a-per-build-token-of-this-test"
+STEP = f"http://{image.BUILD_HOST}/step.py"
+# (case, request target, headers): every request the server must refuse with 403 without sending a byte.
+WITHOUT_THE_TOKEN = [
+    ("no-credentials", STEP, {}),
+    ("wrong-token", STEP, {"Proxy-Authorization": _basic("bwstack", "guess")}),
+    ("token-prefix", STEP, {"Proxy-Authorization": _basic("bwstack", TOKEN[:-1])}),
+    ("wrong-user", STEP, {"Proxy-Authorization": _basic("root", TOKEN)}),
+    ("token-as-www-auth", STEP, {"Authorization": _basic("bwstack", TOKEN)}),
+    ("token-as-bearer", STEP, {"Proxy-Authorization": f"Bearer {TOKEN}"}),
+    ("plain-request", "/step.py", {}),
+    ("another-host", "http://pypi.org/simple/", {"Proxy-Authorization": _basic("bwstack", TOKEN)}),
+    ("https-scheme", f"https://{image.BUILD_HOST}/step.py", {"Proxy-Authorization": _basic("bwstack", TOKEN)}),
+]
+
+
+@pytest.mark.parametrize(
+    ("target", "headers"), [c[1:] for c in WITHOUT_THE_TOKEN], ids=[c[0] for c in WITHOUT_THE_TOKEN]
+)
+def test_the_build_server_refuses_a_request_without_the_build_token(target, headers):
+    with image.BuildServer("127.0.0.1", 0, {}, {"/step.py": b"print(1)\n"}, TOKEN) as server:
+        assert _raw(server, target, headers) == 403
+        assert _raw(server, STEP, {"Proxy-Authorization": _basic("bwstack", TOKEN)}) == 200  # the build itself
+        assert (server.refused, server.requests, server.bytes_sent) == (1, 1, 9)
 
 
 def test_the_build_server_says_what_to_do_when_its_port_is_taken():
-    with image.BuildServer("127.0.0.1", 0, {}, {}) as first, pytest.raises(BwstackError, match="--build-port"):
-        image.BuildServer("127.0.0.1", first.port, {}, {}).__enter__()
+    token = image.new_build_token()
+    with image.BuildServer("127.0.0.1", 0, {}, {}, token) as first, pytest.raises(BwstackError, match="--build-port"):
+        image.BuildServer("127.0.0.1", first.port, {}, {}, token).__enter__()
+
+
+MARKER = "bwstack-test-step-ran"
+FAKE_STEP = f"import pathlib, sys; pathlib.Path(sys.argv[-1], '{MARKER}').write_text(' '.join(sys.argv[1:-1]))\n"
+REAL_STEP = (DOCKER / "bwstack-step.py").read_bytes()
+# (case, what the server serves as /step.py, the sha256 the build expects, whether the loader runs it)
+LOADER_CASES = [
+    ("served-script-is-not-the-planned-one", FAKE_STEP.encode(), hashlib.sha256(REAL_STEP).hexdigest(), False),
+    ("planned-sha256-is-another", REAL_STEP, "0" * 64, False),
+    ("empty-answer", b"", hashlib.sha256(REAL_STEP).hexdigest(), False),
+    ("the-planned-script", FAKE_STEP.encode(), hashlib.sha256(FAKE_STEP.encode()).hexdigest(), True),
+]
+
+
+@pytest.mark.parametrize(
+    ("served", "expected", "runs"), [c[1:] for c in LOADER_CASES], ids=[c[0] for c in LOADER_CASES]
+)
+def test_the_dockerfiles_loader_runs_the_step_script_only_with_the_planned_sha256(tmp_path, served, expected, runs):
+    """The loader of the Dockerfile's RUN lines, run here as the build runs it (through the build server)."""
+    loader = _step_runs()[0][2]
+    with image.BuildServer("127.0.0.1", 0, {}, {"/step.py": served}, image.new_build_token()) as server:
+        env = {**os.environ, "http_proxy": server.proxy_url, "no_proxy": "*"}  # the loader drops no_proxy
+        result = subprocess.run([sys.executable, "-c", loader, expected, "layer", str(tmp_path)],
+                                env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert (tmp_path / MARKER).exists() == runs, result.stderr
+    if runs:
+        assert result.returncode == 0 and (tmp_path / MARKER).read_text() == "layer"
+    else:
+        actual = hashlib.sha256(served).hexdigest()
+        assert result.returncode == 1
+        assert (
+            result.stderr.strip()
+            == f"bwstack: refused the step script: its sha256 is {actual}, the build expects {expected}"
+        )
+
+
+def test_the_dockerfiles_loader_gets_nothing_without_the_build_token(tmp_path):
+    loader = _step_runs()[0][2]
+    with image.BuildServer("127.0.0.1", 0, {}, {"/step.py": FAKE_STEP.encode()}, image.new_build_token()) as server:
+        wrong = server.proxy_url.replace(":" + server.proxy_url.split(":")[2].split("@")[0] + "@", ":guess@")
+        env = {**os.environ, "http_proxy": wrong}
+        result = subprocess.run([sys.executable, "-c", loader, hashlib.sha256(FAKE_STEP.encode()).hexdigest(), "layer",
+                                 str(tmp_path)], env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert result.returncode != 0 and "HTTP Error 403" in result.stderr
+        assert not (tmp_path / MARKER).exists() and server.refused == 1
+
+
+# ------------------------------------------------------------------------------------------------ wheels
+
+
+def test_a_bad_wheel_in_the_wheelhouse_is_refused_by_its_path_before_docker_is_asked(tmp_path):
+    """No daemon, no base image, no network: the refusal comes first, naming the operator's file."""
+    lock = load_lock(CI_LOCK)
+    wheel = lock.profile(None).closure.env["idna"].wheels[0]
+    house = tmp_path / "wheelhouse"
+    house.mkdir()
+    (house / wheel.file).write_bytes(b"not the wheel the lock names")
+    env = {"DOCKER_HOST": f"unix://{tmp_path}/no-docker.sock", "BWSTACK_CACHE": str(tmp_path / "cache")}
+    result = bwstack("--lock", str(CI_LOCK), "image", "build", "--wheelhouse", str(house), "--offline",
+                     "--base-image", "no-such/base:1", "--store", str(tmp_path / "store"),
+                     env=env, timeout=120)  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert f"{wheel.file} from {house / wheel.file} has sha256 " in result.stderr and "refused" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["wheelhouse"], "nothing made, not even a store"
+
+
+def test_check_wheelhouses_hashes_every_selected_wheel_it_finds(tmp_path):
+    from bwstack.targets import Target
+    from bwstack.wheelhouse import select
+
+    lock_path, house = fakestack.make_stack(tmp_path)
+    profile = load_lock(lock_path).profile("fixture-new")
+    selected = select(profile.closure.env, Target.of(profile))
+    found = image.check_wheelhouses(selected.values(), [tmp_path / "empty", house])
+    assert sorted(found) == sorted(w.file for _, w in selected.values())
+    victim = selected["fixture-dep"][1].file
+    (house / victim).write_bytes((house / victim).read_bytes() + b"\0")
+    with pytest.raises(HashMismatchError, match=f"fixture-dep 2.0: {victim} from {house / victim} has sha256"):
+        image.check_wheelhouses(selected.values(), [house])
 
 
 @pytest.fixture(scope="session")
@@ -242,7 +415,8 @@ def ci_wheelhouse() -> Path:
 @needs_py312
 @pytest.mark.network
 def test_the_step_script_installs_a_layer_through_the_server_and_checks_hashes(tmp_path, tool, ci_wheelhouse):
-    """The in-image step, run here: the real server, the real bundle, a real layer file, a real env."""
+    """The in-image step, run here as the Dockerfile runs it (its loader, the step script's sha256, the token in
+    http_proxy): the real server, the real bundle, a real layer file, a real env."""
     from bwstack.envbuild import find_python
 
     lock = load_lock(CI_LOCK)
@@ -253,11 +427,12 @@ def test_the_step_script_installs_a_layer_through_the_server_and_checks_hashes(t
     files = {f"/wheels/{n}": p for n, p in wheels.items()} | {"/tool.tar": tool.path}
     step = (DOCKER / "bwstack-step.py").read_bytes()
     python = find_python("3.12")
-    bootstrap = "import sys,urllib.request as u;exec(u.urlopen(sys.argv[1]+'/step.py').read())"
-    env = {**os.environ, "BWSTACK_ENV": str(tmp_path / "env"), "BWSTACK_TOOL_DIGEST": tool.digest}
-    with image.BuildServer("127.0.0.1", 0, files, {"/step.py": step}) as server:
-        run = subprocess.run([python, "-c", bootstrap, server.url, "layer", str(layer)],
-                             env=env, capture_output=True, text=True)  # fmt: skip
+    loader = _step_runs()[0][2]
+    command = [python, "-c", loader, hashlib.sha256(step).hexdigest(), "layer", str(layer)]
+    with image.BuildServer("127.0.0.1", 0, files, {"/step.py": step}, image.new_build_token()) as server:
+        env = {**os.environ, "BWSTACK_ENV": str(tmp_path / "env"), "BWSTACK_TOOL_DIGEST": tool.digest,
+               "http_proxy": server.proxy_url}  # fmt: skip
+        run = subprocess.run(command, env=env, capture_output=True, text=True)
         assert run.returncode == 0, run.stdout + run.stderr
         assert "installed 6 packages" in run.stdout
         out = subprocess.run([tmp_path / "env/bin/python", "-c", "import requests; print(requests.__version__)"],
@@ -268,14 +443,13 @@ def test_the_step_script_installs_a_layer_through_the_server_and_checks_hashes(t
         bad.write_bytes(b"not the wheel")
         server.files[f"/wheels/{bad.name}"] = bad
         env2 = {**env, "BWSTACK_ENV": str(tmp_path / "env2")}
-        run = subprocess.run([python, "-c", bootstrap, server.url, "layer", str(layer)],
-                             env=env2, capture_output=True, text=True)  # fmt: skip
+        run = subprocess.run(command, env=env2, capture_output=True, text=True)
         assert run.returncode != 0 and "idna" in run.stderr and "refused" in run.stderr, run.stderr[-800:]
-        # a different bwstack behind the same URL is noticed (two builds on one port)
+        # a bwstack other than the one the build was planned with is refused
         env3 = {**env, "BWSTACK_TOOL_DIGEST": "sha256:0"}
-        run = subprocess.run([python, "-c", bootstrap, server.url, "layer", str(layer)],
-                             env=env3, capture_output=True, text=True)  # fmt: skip
-        assert run.returncode != 0 and "two builds on one port" in run.stderr
+        run = subprocess.run(command, env=env3, capture_output=True, text=True)
+        assert run.returncode != 0 and "refusing to run another bwstack" in run.stderr
+        assert server.refused == 0
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -294,6 +468,9 @@ def test_history_problems_name_pem_material_and_copied_certificates():
     assert image.history_problems([{"CreatedBy": f"/bin/sh -c echo '{PEM}' > /x"}])
     assert image.history_problems([{"CreatedBy": "/bin/sh -c #(nop) COPY corp-ca.crt /usr/local/share/ca/"}])
     assert image.history_problems([{"CreatedBy": "/bin/sh -c #(nop)  ENV SSL_CERT_FILE=/etc/ca.pem"}])
+    assert image.history_problems([{"CreatedBy": "|1 http_proxy=http://bwstack:tok@172.17.0.1:1 /bin/sh -c x"}])
+    assert image.history_problems([{"CreatedBy": "|1 HTTPS_PROXY=http://u:p@proxy:3128 /bin/sh -c x"}])
+    assert image.history_problems([{"CreatedBy": "/bin/sh -c export http_proxy=${HTTP_PROXY:-}"}]) == []
 
 
 def test_pem_needles_take_a_body_line_of_each_certificate():
@@ -360,8 +537,19 @@ def _build(lock: Path, wheelhouse: Path, base: str, *extra: str) -> dict:
 
 @pytest.fixture(scope="session")
 def ci_image(ci_base, ci_wheelhouse, ca_bundle) -> dict:
+    """Built in-process, so the test knows the build's token (a fresh random one, as the CLI would make) and
+    can search the image for it, and without cache, so every RUN really ran with it; the app-only bump below
+    is built through the CLI."""
     bundle, _ = ca_bundle
-    return _build(CI_LOCK, ci_wheelhouse, ci_base, "--ca-bundle", str(bundle))
+    token = image.new_build_token()
+    lock = load_lock(CI_LOCK)
+    opts = image.BuildOptions(wheelhouses=[str(ci_wheelhouse)], offline=True, base_image=ci_base,
+                              ca_bundle=str(bundle), no_cache=True)  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:  # build() points the process's TLS at the bundle; undo it after
+        patch.setenv("REQUESTS_CA_BUNDLE", os.environ.get("REQUESTS_CA_BUNDLE", ""))
+        patch.setenv("SSL_CERT_FILE", os.environ.get("SSL_CERT_FILE", ""))
+        built = image.build(lock, lock.profile(None), opts, log=lambda m: None, token=token)
+    return {**built, "token": token}
 
 
 def _docker(*args: str) -> subprocess.CompletedProcess:
@@ -426,6 +614,103 @@ def test_ci_image_holds_no_ca_no_bwstack_and_no_wheel(ci_image, ca_bundle):
                   "/opt/ml-env/bin/python -c 'import bwstack' 2>&1 | tail -n 1")  # fmt: skip
     # left: the layer files (bill of materials), cuda install's marker and the interpreter's own ensurepip wheel
     assert run.stdout.strip() == "ModuleNotFoundError: No module named 'bwstack'", run.stdout
+
+
+def _image_bytes_hold(client, image_id: str, needle: bytes) -> bool:
+    """Whether `docker save` of the image (every layer, the config, the manifest) contains needle anywhere."""
+    tail = b""
+    for chunk in client.api.get_image(image_id, chunk_size=1 << 20):
+        if needle in tail + chunk:
+            return True
+        tail = (tail + chunk)[-len(needle) :]
+    return False
+
+
+@needs_docker
+@pytest.mark.docker
+@pytest.mark.network
+def test_ci_image_holds_no_trace_of_the_build_token(ci_image):
+    import docker
+
+    client = docker.from_env(timeout=600)
+    token = ci_image["token"].encode()
+    assert not _image_bytes_hold(client, ci_image["tag"], token)
+    history = client.api.history(ci_image["tag"])
+    assert not [h for h in history if token.decode() in json.dumps(h)]
+    assert not image.history_problems(history)
+    for entry in history:  # the intermediate images of the chain: config and container config
+        if entry["Id"] != "<missing>":
+            assert token.decode() not in json.dumps(client.api.inspect_image(entry["Id"]))
+    # positive control: the same search finds the token once a layer holds it
+    ctx = Path(tempfile.mkdtemp(prefix="bwstack-token-leak-"))
+    (ctx / "Dockerfile").write_text(f"FROM {ci_image['tag']}\nRUN echo {ci_image['token']} > /tmp/leak\n")
+    leak, _ = client.images.build(path=str(ctx), rm=True)
+    try:
+        assert _image_bytes_hold(client, leak.id, token)
+    finally:
+        client.images.remove(leak.id, force=True)
+        shutil.rmtree(ctx)
+
+
+@needs_docker
+@pytest.mark.docker
+@pytest.mark.network
+def test_the_build_server_refuses_a_container_on_the_bridge_without_the_token(ci_base):
+    """The real server on the Docker bridge, asked from a container as another build or a serving container
+    would ask it: without this build's token it answers 403, with it 200."""
+    client = image.docker_client(timeout=120)
+    token = image.new_build_token()
+    ask = (
+        "import sys, urllib.request as u, urllib.error as e\n"
+        "o = u.build_opener(u.ProxyHandler({'http': sys.argv[1]} if sys.argv[1] else {}))\n"
+        "try:\n print(o.open(sys.argv[2], timeout=20).status)\n"
+        "except e.HTTPError as x:\n print(x.code)\n"
+    )
+    with image.BuildServer(image.bridge_gateway(client), 0, {}, {"/step.py": b"print(1)\n"}, token) as server:
+        wrong = server.proxy_url.replace(token, image.new_build_token())
+        cases = [  # (proxy, url): the answer
+            ("", f"{server.url}/step.py"),
+            (wrong, f"http://{image.BUILD_HOST}/step.py"),
+            (server.proxy_url, f"http://{image.BUILD_HOST}/step.py"),
+        ]
+        answers = []
+        for proxy, url in cases:
+            out = client.containers.run(ci_base, ["python3.12", "-c", ask, proxy, url], remove=True)
+            answers.append(out.decode().strip())
+        assert answers == ["403", "403", "200"]
+        assert (server.refused, server.requests) == (2, 1)
+
+
+@needs_docker
+@pytest.mark.docker
+@pytest.mark.network
+def test_a_real_build_stops_at_the_dockerfiles_check_when_the_step_script_differs(ci_image, tmp_path):
+    """The real Dockerfile, on ci_image's cache, planned with one step script while the server serves another:
+    the first step RUN refuses what it got, and nothing of it runs."""
+    client = image.docker_client()
+    lock = load_lock(CI_LOCK)
+    profile = lock.profile(None)
+    staged = image.stage_context(lock, profile, tmp_path / "ctx", DOCKER / "Dockerfile")
+    # A planned script ci_image was not built with, so the step RUNs miss the cache and really run.
+    planned = (DOCKER / "bwstack-step.py").read_bytes() + b"\n# a revision no earlier build used\n"
+    forged = b"raise SystemExit('the forged step ran')\n"
+    tool = image.build_tool_bundle(tmp_path, DOCKER / "bwstack-step.py")
+    before = {c.id for c in client.containers.list(all=True)}
+    lines: list[str] = []
+    with image.BuildServer(
+        image.bridge_gateway(client), 0, {}, {"/step.py": forged}, image.new_build_token()
+    ) as server:
+        args = image._build_args(lock, profile, ci_image["base_image"], hashlib.sha256(planned).hexdigest(), tool, [])
+        with pytest.raises(BwstackError, match="returned a non-zero code: 1"):
+            image.run_build(client, staged.path, "bwstack-test/forged-step:never", {**args,
+                            **image.build_secret_args(server)}, no_cache=False, log=lines.append)  # fmt: skip
+    expected = f"bwstack: refused the step script: its sha256 is {hashlib.sha256(forged).hexdigest()}, the build "
+    assert [line for line in lines if expected in line], lines[-5:]  # stderr lines come colored
+    assert not [line for line in lines if "forged step ran" in line]
+    assert server.requests == 1 and server.refused == 0  # the step script only: no tool, no wheel was served
+    left = [c for c in client.containers.list(all=True) if c.id not in before]
+    assert not [c for c in left if image.BUILD_HOST in json.dumps(c.attrs["Config"].get("Cmd"))], "forcerm"
+    assert not client.images.list(name="bwstack-test/forged-step")
 
 
 @needs_docker

@@ -1,8 +1,15 @@
-"""stack.lock.yaml: malformed locks fail with one clear line and exit 2; the real lock loads and checks."""
+"""stack.lock.yaml: malformed, hostile and stale locks fail with one clear line and exit 2; the real lock loads.
+
+A malformed lock names the key that is wrong; a key given twice names both lines; hostile YAML (aliases, tags,
+deep nesting) and special files are refused without echoing the file's content or blocking; a closure that no
+longer matches its spec is refused by everything that would install it, and still shown and checked."""
 
 from __future__ import annotations
 
 import copy
+import json
+import os
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,7 +17,9 @@ import pytest
 import yaml
 from conftest import REAL_LOCK, bwstack
 
+from bwstack import lockread
 from bwstack.cli import main
+from bwstack.errors import LockError
 from bwstack.lockfile import GENERATED_MARKER, load_lock
 
 
@@ -171,7 +180,7 @@ CASES: list[tuple[str, Callable[[dict], None] | str, str]] = [
     ),
     (
         "closure-for-unknown-profile",
-        lambda d: d["closures"].update({"cu99": d["closures"]["cu128"]}),
+        lambda d: d["closures"].update({"cu99": copy.deepcopy(d["closures"]["cu128"])}),
         "closures.cu99: has no matching profile",
     ),
     (
@@ -255,3 +264,248 @@ def test_spec_text_keeps_everything_above_the_generated_marker():
     lock = load_lock(REAL_LOCK)
     assert GENERATED_MARKER not in lock.spec_text
     assert lock.spec_text.startswith("# stack.lock.yaml")
+
+
+# ------------------------------------------------------------------------------------------------ duplicates
+# PyYAML keeps the last of two equal keys without a word; the lock refuses them, naming the key and both lines.
+# Each case edits the real lock's text and returns (key, first line, second line), lines counted from 1.
+
+
+def _find(lines: list[str], exact: str, after: int = 0) -> int:
+    """0-based index of the first line equal to `exact` at or after index `after`."""
+    return next(i for i in range(after, len(lines)) if lines[i].rstrip("\n") == exact)
+
+
+def _package_pinned_twice(lines: list[str]) -> tuple[str, int, int]:
+    i = _find(lines, '      sglang: "0.5.9"', _find(lines, "  cu128:", _find(lines, "profiles:")))
+    lines.insert(i + 1, '      sglang: "0.5.10"\n')
+    return "sglang", i + 1, i + 2
+
+
+def _profile_defined_twice(lines: list[str]) -> tuple[str, int, int]:
+    profiles = _find(lines, "profiles:")
+    first, second = _find(lines, "  cu130:", profiles), _find(lines, "  cu128:", profiles)
+    lines[first] = "  cu128:\n"
+    return "cu128", first + 1, second + 1
+
+
+def _index_defined_twice(lines: list[str]) -> tuple[str, int, int]:
+    indexes = _find(lines, "indexes:")
+    first, second = _find(lines, "  pytorch-cu130:", indexes), _find(lines, "  flashinfer-cu130:", indexes)
+    lines[second] = "  pytorch-cu130:\n"
+    return "pytorch-cu130", first + 1, second + 1
+
+
+def _closure_package_twice(lines: list[str]) -> tuple[str, int, int]:
+    env = _find(lines, "    env:", _find(lines, "  cu128:", _find(lines, "closures:")))
+    first, second = _find(lines, "      idna:", env), _find(lines, "      torch:", env)
+    lines[first] = "      torch:\n"
+    return "torch", first + 1, second + 1
+
+
+def _wheel_hash_twice(lines: list[str]) -> tuple[str, int, int]:
+    i = next(j for j in range(_find(lines, "closures:"), len(lines)) if lines[j].strip().startswith("sha256: "))
+    indent = lines[i][: len(lines[i]) - len(lines[i].lstrip())]
+    lines.insert(i + 1, f"{indent}sha256: {'0' * 64}\n")
+    return "sha256", i + 1, i + 2
+
+
+def _top_level_key_twice(lines: list[str]) -> tuple[str, int, int]:
+    first = _find(lines, "default_profile: cu130")
+    lines.append("default_profile: cu128\n")
+    return "default_profile", first + 1, len(lines)
+
+
+DUPLICATES = [
+    ("package-pinned-twice", _package_pinned_twice),
+    ("profile-defined-twice", _profile_defined_twice),
+    ("index-defined-twice", _index_defined_twice),
+    ("closure-package-twice", _closure_package_twice),
+    ("wheel-hash-twice", _wheel_hash_twice),
+    ("top-level-key-twice", _top_level_key_twice),
+]
+
+
+@pytest.mark.parametrize("edit", [c[1] for c in DUPLICATES], ids=[c[0] for c in DUPLICATES])
+def test_a_key_given_twice_is_refused_naming_the_key_and_both_lines(tmp_path, capsys, edit):
+    lines = REAL_LOCK.read_text().splitlines(keepends=True)
+    key, first, second = edit(lines)
+    path = tmp_path / "stack.lock.yaml"
+    path.write_text("".join(lines))
+    assert main(["--lock", str(path), "show", "--profile", "cu128"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    assert f"duplicate key '{key}' (lines {first} and {second})" in err, err
+
+
+# ------------------------------------------------------------------------------------------------ hostile YAML
+# Each file carries CANARY; the one-line error must not: a parse error never echoes the file's content.
+
+CANARY = "CANARY-5d1e"
+BOMB = (
+    "a: &a ["
+    + ", ".join([f'"{CANARY}"'] * 9)
+    + "]\n"
+    + "".join(f"{n}: &{n} [" + ", ".join([f"*{p}"] * 9) + "]\n" for p, n in zip("abcdefgh", "bcdefghi", strict=True))
+)
+
+HOSTILE_YAML: list[tuple[str, str | bytes, str]] = [
+    ("tab-indentation", f"schema_version: 1\nprofiles:\n\t{CANARY}: 1\n", "line 3, column 1: not valid YAML"),
+    ("unknown-escape", f'x: "{CANARY} \\q"\n', "not valid YAML: found unknown escape character"),
+    ("python-object-tag", f"x: !!python/object/apply:os.system ['echo {CANARY}']\n", "not valid YAML"),
+    ("custom-tag", f"x: !{CANARY} 1\n", "not valid YAML"),
+    ("unterminated-quote", f'x: "{CANARY}\n', "not valid YAML"),
+    ("impossible-date", f"{CANARY}: 2026-13-01\n", "line 1: a value YAML cannot construct"),
+    ("int-tag-on-text", f"x: !!int {CANARY}\n", "line 1: a value YAML cannot construct"),
+    ("nul-byte", f"x: {CANARY}\x00\n", "not valid YAML: a control character"),
+    ("not-utf8", f"x: {CANARY}".encode() + b"\xff\xfe\n", "not UTF-8 text"),
+    ("anchor-and-alias", f"a: &{CANARY} [1]\nb: *{CANARY}\n", "line 1: YAML anchors and aliases"),
+    ("anchor-alone", f"a: &{CANARY} 1\n", "line 1: YAML anchors and aliases"),
+    ("alias-bomb", BOMB, "line 1: YAML anchors and aliases"),
+    ("merge-key", f"a: {{x: 1}}\nb:\n  <<: {{{CANARY}: 1}}\n", "line 3: YAML merge keys (<<) are not allowed"),
+    ("nested-too-deep", "x: " + "[" * 40 + CANARY + "]" * 40 + "\n", "nested more than 32 levels"),
+    ("nested-past-libyaml", "[" * 5000 + CANARY, "nest"),  # libyaml's own limit (1000) or bwstack's (32)
+    ("list-as-key", f"? [{CANARY}]\n: 1\n", "line 1: a mapping key must be a plain value"),
+    ("key-twice-on-one-line", "{a: 1, a: 2}\n" + f"# {CANARY}\n", "duplicate key 'a' (line 1, columns 2 and 8)"),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), [c[1:] for c in HOSTILE_YAML], ids=[c[0] for c in HOSTILE_YAML])
+def test_hostile_yaml_gives_one_line_naming_the_place_and_echoes_no_content(tmp_path, capsys, text, expected):
+    path = tmp_path / "stack.lock.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    assert main(["--lock", str(path), "show"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    assert err.startswith(f"bwstack: error: {path}: ") and expected in err, err
+    assert CANARY not in err
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["a: 1\nb: 2\na: 3\n", "a: &x 1\nb: *x\n", "a: {x: 1}\nb:\n  <<: {y: 1}\n", "a: 2026-02-30\n"],
+    ids=["duplicate", "alias", "merge", "bad-date"],
+)
+@pytest.mark.parametrize("loader", [lockread.StrictCLoader, lockread.StrictPyLoader], ids=["libyaml", "python"])
+def test_both_yaml_loaders_refuse_what_pyyaml_would_accept_silently(loader, text):
+    if loader is lockread.StrictCLoader and not yaml.__with_libyaml__:
+        pytest.skip("PyYAML here has no libyaml")
+    with pytest.raises(LockError, match=r"p: line \d+: "):
+        lockread.load_yaml(text, "p", loader)
+
+
+def test_the_lock_is_read_with_libyaml_where_pyyaml_has_it():
+    if not yaml.__with_libyaml__:
+        pytest.skip("PyYAML here has no libyaml")
+    assert issubclass(lockread.StrictCLoader, yaml.CSafeLoader)
+    assert lockread.load_yaml.__defaults__ == (lockread.StrictCLoader,)
+
+
+def test_a_huge_value_is_named_not_pasted(tmp_path, capsys):
+    path = _write_case(tmp_path, _set("profiles.cu130.python", "3." + "1" * 200_000 + "x"))
+    assert main(["--lock", str(path), "show"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "profiles.cu130.python: '3.111" in err and len(err) < 400, err[:600]
+
+
+def test_a_lock_larger_than_the_limit_is_refused_unread(tmp_path, capsys):
+    path = tmp_path / "stack.lock.yaml"
+    path.write_text(("# " + "x" * 1022 + "\n") * ((lockread.MAX_LOCK_BYTES >> 10) + 1))
+    assert main(["--lock", str(path), "show"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"bwstack: error: {path}: {path.stat().st_size} bytes is more than a lock can be (4 MiB): " + (
+        "refusing to read it"
+    )
+
+
+# ------------------------------------------------------------------------------------------------ special files
+# Run as a user would (a subprocess, with a timeout): a special file must be refused at once, never read.
+
+
+def _fifo(tmp: Path) -> Path:
+    os.mkfifo(tmp / "lock.fifo")
+    return tmp / "lock.fifo"
+
+
+def _socket(tmp: Path) -> Path:
+    path = tmp / "lock.sock"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    return path
+
+
+def _link_to_fifo(tmp: Path) -> Path:
+    (tmp / "link.yaml").symlink_to(_fifo(tmp))
+    return tmp / "link.yaml"
+
+
+def _link_loop(tmp: Path) -> Path:
+    (tmp / "a.yaml").symlink_to(tmp / "b.yaml")
+    (tmp / "b.yaml").symlink_to(tmp / "a.yaml")
+    return tmp / "a.yaml"
+
+
+SPECIAL_FILES: list[tuple[str, Callable[[Path], Path], str]] = [
+    ("fifo", _fifo, "is a FIFO, not a regular file"),
+    ("dev-zero", lambda tmp: Path("/dev/zero"), "is a character device, not a regular file"),
+    ("dev-null", lambda tmp: Path("/dev/null"), "is a character device, not a regular file"),
+    ("directory", lambda tmp: tmp, "is a directory, not a regular file"),
+    ("unix-socket", _socket, "cannot read the lock: No such device or address"),
+    ("link-to-fifo", _link_to_fifo, "is a FIFO, not a regular file"),
+    ("link-loop", _link_loop, "cannot read the lock: Too many levels of symbolic links"),
+]
+
+
+@pytest.mark.parametrize(("make", "expected"), [c[1:] for c in SPECIAL_FILES], ids=[c[0] for c in SPECIAL_FILES])
+def test_a_lock_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path, make, expected):
+    path = make(tmp_path)
+    result = bwstack("--lock", str(path), "show", timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == f"bwstack: error: {path}: {expected}" + (
+        ": refusing to read it\n" if "regular" in expected else "\n"
+    )
+
+
+# ------------------------------------------------------------------------------------------------ stale closures
+
+
+def _stale_lock(tmp_path: Path) -> Path:
+    """The real lock with cu128's sglang pin edited and `bwstack lock` not run: the closure no longer matches."""
+    lines = REAL_LOCK.read_text().splitlines(keepends=True)
+    i = _find(lines, '      sglang: "0.5.9"', _find(lines, "  cu128:", _find(lines, "profiles:")))
+    lines[i] = '      sglang: "0.5.10"\n'
+    path = tmp_path / "stack.lock.yaml"
+    path.write_text("".join(lines))
+    return path
+
+
+# Every command that would install, fetch or render the closure; none gets as far as touching anything.
+STALE_REFUSED = [
+    ("build", ["build", "--root", "{tmp}/root", "--ml-env", "{tmp}/ml-env", "--cuda-link", "none"]),
+    ("build-check", ["build", "--check", "--root", "{tmp}/root", "--ml-env", "{tmp}/ml-env", "--cuda-link", "none"]),
+    ("image-build", ["image", "build", "--offline", "--wheelhouse", "{tmp}", "--store", "{tmp}/store"]),
+    ("cuda-install", ["cuda", "install", "--prefix", "{tmp}/cuda", "--root", "{tmp}/root", "--offline"]),
+    ("fetch", ["fetch", "--dest", "{tmp}/wheels", "--offline"]),
+    ("render", ["render"]),
+]
+
+
+@pytest.mark.parametrize("argv", [c[1] for c in STALE_REFUSED], ids=[c[0] for c in STALE_REFUSED])
+def test_a_stale_closure_is_refused_with_run_bwstack_lock_before_anything_is_touched(tmp_path, capsys, argv):
+    path = _stale_lock(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    args = [a.format(tmp=tmp_path) for a in argv]
+    assert main(["--lock", str(path), *args, "--profile", "cu128"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    assert err.startswith(f"bwstack: error: {path}: closures.cu128.spec_digest: ") and "run `bwstack lock`" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before, "nothing may be created"
+
+
+def test_a_stale_lock_can_still_be_shown_and_checked(tmp_path):
+    path = _stale_lock(tmp_path)
+    shown = bwstack("--lock", str(path), "show", "--profile", "cu128", "--json")
+    assert shown.returncode == 0 and json.loads(shown.stdout)["stack"]["sglang"] == "0.5.10", shown.stderr
+    checked = bwstack("--lock", str(path), "lock", "--check", "--offline")
+    assert checked.returncode == 1
+    assert "closures.cu128.spec_digest" in checked.stdout and "run `bwstack lock`" in checked.stdout
