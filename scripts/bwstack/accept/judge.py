@@ -326,17 +326,17 @@ def _pcie_link(f: MachineFacts, want: Want) -> Finding:
     check = "pcie.link"
     if isinstance(f.gpus, Unknown) or not f.gpus:
         return _unknown(check, "no GPU to read a link of")
-    failures, unknown, notes, good = [], [], [], []
+    failures, unknown, idle = [], [], []
     for g in f.gpus:
         link = g.link
         if isinstance(link, Unknown):
             unknown.append(f"{_label(g)}: {link.why}")
             continue
-        problems = _link_problems(g, link, want, notes)
+        problems, at_idle = _link_problems(g, link, want)
         if problems:
             failures.append(f"{_label(g)}: {'; '.join(problems)}")
-        else:
-            good.append(g)
+        elif at_idle:
+            idle.append(_label(g).split(" ")[0])
     if failures:
         return Finding(
             check,
@@ -346,11 +346,16 @@ def _pcie_link(f: MachineFacts, want: Want) -> Finding:
         )
     if unknown:
         return _unknown(check, " | ".join(unknown))
-    detail = f"{len(good)} GPUs at Gen{want.pcie_generation}-capable x{want.pcie_width} links"
-    return Finding(check, Verdict.PASS, detail + (f"; {' | '.join(notes)}" if notes else ""))
+    detail = f"{len(f.gpus)} GPUs on Gen{want.pcie_generation} x{want.pcie_width} links (card and port)"
+    if idle:
+        detail += (
+            f"; at Gen1 now, as idle GPUs save power (the runtime part reads the link under load): {', '.join(idle)}"
+        )
+    return Finding(check, Verdict.PASS, detail)
 
 
-def _link_problems(g: GpuFacts, link: Link, want: Want, notes: list[str]) -> list[str]:
+def _link_problems(g: GpuFacts, link: Link, want: Want) -> tuple[list[str], bool]:
+    """What is wrong with a GPU's link, and whether it is at Gen1 only because the GPU is idle."""
     problems = []
     if link.width < link.max_width:
         problems.append(f"x{link.width} of x{link.max_width}")
@@ -365,12 +370,13 @@ def _link_problems(g: GpuFacts, link: Link, want: Want, notes: list[str]) -> lis
     elif port_gen is not None and port_gen < want.pcie_generation:
         problems.append(f"the port above it supports Gen{port_gen} only")
     now = link.generation or 0
+    idle = False
     if now < capable:
         if now == 1:
-            notes.append(f"{_label(g)} at Gen1 now: idle power saving (the runtime part reads the link under load)")
+            idle = True
         else:
             problems.append(f"trained at Gen{now} of Gen{capable}")
-    return problems
+    return problems, idle
 
 
 def _bar1(f: MachineFacts, want: Want) -> Finding:

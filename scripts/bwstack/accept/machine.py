@@ -66,7 +66,15 @@ class Output:
     def failure(self) -> str:
         """One line saying how the command failed."""
         text = (self.stderr.strip() or self.stdout.strip()).splitlines()
-        return f"`{' '.join(self.argv)}` exited {self.returncode}" + (f": {text[0][:200]}" if text else "")
+        shown = " ".join(a if len(a) <= 40 else a[:24] + "..." for a in self.argv)
+        return f"`{shown}` exited {self.returncode}" + (f": {text[0][:200]}" if text else "")
+
+
+def stdout_of(out: Output | Unknown) -> str | Unknown:
+    """A command's output, or why there is none (it could not run, or it failed)."""
+    if isinstance(out, Unknown):
+        return out
+    return out.stdout if out.ok else Unknown(out.failure())
 
 
 class Machine:

@@ -191,7 +191,7 @@ def parse_lspci(text: str) -> dict[str, LspciEntry]:
             acs = Acs({m.group(1): m.group(2) == "+" for m in re.finditer(r"(\w+)([+-])", acs_line.group(1))})
         aspm = re.search(r"LnkCtl:\s*ASPM ([^;]+);", body)
         entries[head[0].lower()] = LspciEntry(
-            description=head[1].strip(),
+            description=head[1].split(": ", 1)[-1].strip(),  # after the class ("3D controller: ")
             denied="<access denied>" in body,
             acs=acs,
             aspm=aspm.group(1).strip() if aspm else None,
