@@ -18,25 +18,6 @@ TIMEOUT_DEFAULT_S = 180.0
 TIMEOUT_MAX_S = 3600.0
 
 
-def want_of(profile, target):  # (lockfile.Profile, lockfile.Target) -> judge.Want
-    from bwstack.accept.judge import Want
-
-    return Want(
-        profile=profile.name,
-        cuda=profile.cuda.version,
-        min_driver=profile.cuda.min_driver,
-        target=target.name,
-        gpu_name=target.gpu_name,
-        capability=target.capability,
-        count=target.count,
-        memory_gb=target.memory_gb,
-        interconnect=target.interconnect,
-        datacenter=target.datacenter,
-        pcie_generation=target.pcie_generation,
-        pcie_width=target.pcie_width,
-    )
-
-
 def _timeout(text: str) -> float:
     try:
         value = float(text)
@@ -85,7 +66,7 @@ def _machine(args: argparse.Namespace):
 
 def cmd_accept(args: argparse.Namespace) -> int:
     from bwstack.accept.collect import collect
-    from bwstack.accept.judge import Finding, Verdict, judge_static
+    from bwstack.accept.judge import Finding, Verdict, Want, judge_static
     from bwstack.accept.report import AcceptReport, NodeVerdict
     from bwstack.lockfile import load_lock
 
@@ -102,7 +83,7 @@ def cmd_accept(args: argparse.Namespace) -> int:
     timeout = _timeout(args.timeout)
     machine = _machine(args)
     python = None if args.no_runtime or args.machine is not None else _python(args.env)
-    want = want_of(profile, target)
+    want = Want.of(profile, target)
     facts = collect(machine)
     static = judge_static(facts, want)
     runtime: tuple[Finding, ...] = ()

@@ -73,6 +73,23 @@ class Want:
     pcie_generation: int
     pcie_width: int
 
+    @classmethod
+    def of(cls, profile, target) -> Want:  # (lockfile.Profile, lockfile.Target): untyped, this module is stdlib-only
+        return cls(
+            profile=profile.name,
+            cuda=profile.cuda.version,
+            min_driver=profile.cuda.min_driver,
+            target=target.name,
+            gpu_name=target.gpu_name,
+            capability=target.capability,
+            count=target.count,
+            memory_gb=target.memory_gb,
+            interconnect=target.interconnect,
+            datacenter=target.datacenter,
+            pcie_generation=target.pcie_generation,
+            pcie_width=target.pcie_width,
+        )
+
     def as_json(self) -> dict:
         return asdict(self)
 
@@ -591,6 +608,8 @@ def _aspm(f: MachineFacts, want: Want) -> Finding:
     if policy == "performance":
         return Finding(check, Verdict.PASS, "ASPM policy `performance`: link power states off")
     fix = "boot with pcie_aspm=off (and turn ASPM off in the BIOS): link power states cause PCIe link drops"
+    if not _each_gpu(f):
+        return _unknown(check, "no GPU link to read", can_fail=False)
     enabled, unknown = [], []
     for g in _each_gpu(f):
         states = [("GPU", g.aspm)]
