@@ -250,7 +250,7 @@ class Recorder(Machine):
         self.out = Path(directory)
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "commands").mkdir(exist_ok=True)
-        self.label = f"this machine (recording into {self.out})"
+        self.label = "this machine, recorded"
 
     def _dest(self, path: str) -> Path:
         parts = [p for p in path.split("/") if p]

@@ -140,6 +140,8 @@ class AcceptReport:
         if bench is None:
             return ["RUNTIME: no figures (see gpu.runtime)"]
         lines = [f"RUNTIME (torch {bench.torch}, CUDA {bench.cuda}, timeout {self.timeout_s:g} s per stage)"]
+        if not bench.devices:
+            lines.append(f"no GPU measured: {bench.reason}")
         if bench.devices:
             rows = [("GPU", "NAME", "BF16 MATMUL TFLOP/s", "DEVICE COPY GB/s", "H2D GB/s", "LINK UNDER LOAD")]
             for d in bench.devices:
