@@ -304,3 +304,11 @@ def test_the_real_gpu_benchmark_on_a_machine_without_a_gpu_says_torch_sees_none(
     assert run.group.status is Status.DONE and run.result is not None
     assert run.result.devices == () and "torch sees no CUDA GPU" in run.result.reason
     assert run.result.torch.startswith("2.9.1")
+
+
+def test_a_target_without_an_envelope_leaves_the_figures_unjudged_and_blocks_acceptance():
+    static = judge_static(HEALTHY, RTX)
+    found = {f.check: f for f in judge_runtime(_bench(), _allreduce(39.0), None, HEALTHY, static, RTX)}
+    for check in ("nccl.busbw", "gpu.matmul"):
+        assert found[check].verdict is Verdict.UNKNOWN and found[check].blocks
+        assert "no envelope for target rtx-pro-6000-x8-pcie" in found[check].detail
