@@ -220,6 +220,13 @@ def _bad_unreadable_json(tmp_path: Path) -> str:
     return str(copy)
 
 
+def _linked_unreadable_json(tmp_path: Path) -> str:
+    copy = tmp_path / "m"
+    shutil.copytree(MACHINES / HEALTHY, copy, symlinks=True)
+    (copy / "unreadable.json").symlink_to("/etc/hostname")
+    return str(copy)
+
+
 BAD_INPUT = [
     ("timeout-zero", lambda t: ["--no-runtime", "--timeout", "0"], "--timeout 0: must be between 1 and 3600"),
     ("timeout-words", lambda t: ["--no-runtime", "--timeout", "soon"], "--timeout 'soon': expected a number"),
@@ -231,6 +238,7 @@ BAD_INPUT = [
     ("machine-not-a-description", lambda t: ["--machine", _not_a_description(t)], "not a recorded machine"),
     ("machine-empty", lambda t: ["--machine", ""], "--machine is empty"),
     ("machine-bad-unreadable", lambda t: ["--machine", _bad_unreadable_json(t)], "unreadable.json: not a JSON"),
+    ("machine-linked-unreadable", lambda t: ["--machine", _linked_unreadable_json(t)], "not a plain file"),
     ("machine-and-record", lambda t: ["--machine", str(MACHINES / HEALTHY), "--record", str(t / "r")], "give one"),
     ("record-into-full-dir", lambda t: ["--no-runtime", "--record", _a_full_dir(t)], "a new or empty directory"),
     ("hardware-unknown", lambda t: ["--no-runtime", "--hardware", "h200-x1"], "not one of the lock's targets"),
@@ -441,3 +449,24 @@ def test_the_fixture_machines_are_what_make_py_writes(tmp_path):
 def test_every_fixture_machine_says_it_is_a_test_fixture(name):
     assert (MACHINES / name / "FIXTURE").read_text().startswith("TEST FIXTURE")
     assert "TEST FIXTURE" in (MACHINES / "README.md").read_text()
+
+
+WANT_JSON = Want.of(load_lock(REAL_LOCK).profile("cu130"), load_lock(REAL_LOCK).profile("cu130").target).as_json()
+BAD_WANT = [
+    ("not-an-object", ["rtx"], "must be a JSON object"),
+    ("missing-key", {k: v for k, v in WANT_JSON.items() if k != "min_driver"}, "has no 'min_driver'"),
+    ("count-as-text", {**WANT_JSON, "count": "8"}, "'count' must be a non-empty int"),
+    ("count-as-bool", {**WANT_JSON, "count": True}, "'count' must be a non-empty int"),
+    ("empty-name", {**WANT_JSON, "gpu_name": ""}, "'gpu_name' must be a non-empty str"),
+    ("datacenter-as-text", {**WANT_JSON, "datacenter": "no"}, "'datacenter' must be a non-empty bool"),
+]
+
+
+@pytest.mark.parametrize(("case", "data", "message"), BAD_WANT, ids=[c[0] for c in BAD_WANT])
+def test_a_malformed_target_sent_to_the_node_is_refused(case, data, message):
+    with pytest.raises(ValueError, match=message):
+        Want.from_json(data)
+
+
+def test_the_target_sent_to_the_node_round_trips_through_json():
+    assert Want.from_json(json.loads(json.dumps(WANT_JSON))) == RTX

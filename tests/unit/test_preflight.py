@@ -138,3 +138,12 @@ def test_a_healthy_node_adds_no_refusal_and_no_warning():
     report = _node_facts_preflight("rtx-pro-6000-x8-healthy")
     assert report.ok
     assert [w for w in report.warnings if not w.startswith("CPU-ONLY TARGET")] == []
+
+
+@pytest.mark.parametrize("requirements", ["{}", '{"accept": {"profile": "cu130"}}', "[1]", "not json"])
+def test_the_probe_refuses_malformed_requirements_with_one_line(capsys, requirements):
+    from bwstack import probe
+
+    assert probe.main(["preflight", "--requirements", requirements]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bwstack-probe preflight: bad --requirements:") and err.count("\n") == 1

@@ -88,7 +88,11 @@ class Machine:
         self._unreadable: dict[str, str] = {}
         if not self.live:
             saved = self.root / UNREADABLE_FILE
+            if saved.is_symlink() or (saved.exists() and not saved.is_file()):
+                raise ValueError(f"{saved}: not a plain file")
             if saved.is_file():
+                if saved.stat().st_size > MAX_FILE_BYTES:
+                    raise ValueError(f"{saved}: larger than {MAX_FILE_BYTES // 1024} KiB")
                 try:
                     data = json.loads(saved.read_text(encoding="utf-8"))
                 except (OSError, ValueError) as exc:
