@@ -684,9 +684,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench)
 
     from bwstack import image, playbooks
+    from bwstack.accept import command as accept
 
     playbooks.register(sub)
     image.register(sub)
+    accept.register(sub)
 
     p = sub.add_parser("verify", help="run the node checks (ABI, CUDA, SM120 kernels, features, GPU) on hosts")
     p.add_argument(

@@ -97,6 +97,30 @@ class CudaToolkit:
 
 
 @dataclass(frozen=True)
+class Figure:
+    """One measured figure of a target's envelope: the thresholds node acceptance judges by, and the range
+    operators report for this hardware, with where that range comes from."""
+
+    name: str
+    unit: str
+    measure: str
+    fail_below: float
+    warn_below: float
+    typical: tuple[float, float]
+    source: str
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """What `bwstack accept` compares a node's runtime figures with (see ENVELOPE_FIGURES)."""
+
+    p2p_same_numa: Figure
+    p2p_cross_numa: Figure
+    allreduce_busbw: Figure
+    gpu_spread: Figure
+
+
+@dataclass(frozen=True)
 class Target:
     """The hardware a profile is built for: what `serve-plan` simulates where it is absent and what node
     acceptance measures against."""
@@ -112,6 +136,7 @@ class Target:
     pcie_generation: int
     pcie_width: int
     source: str
+    envelope: Envelope | None = None
 
 
 @dataclass(frozen=True)
@@ -458,11 +483,79 @@ def _cuda(node: _Node) -> CudaToolkit:
 
 CAPABILITY_RE = re.compile(r"^\d+\.\d+$")
 INTERCONNECTS = ("pcie", "nvlink")
+# Envelope figures and the unit each is measured in: a unit is part of the figure, so a figure written in
+# another unit is refused rather than compared wrongly.
+RATIO_UNIT = "fraction of the node median"
+ENVELOPE_FIGURES = {
+    "p2p_same_numa": "GB/s",
+    "p2p_cross_numa": "GB/s",
+    "allreduce_busbw": "GB/s",
+    "gpu_spread": RATIO_UNIT,
+}
+
+
+def _number(node: _Node, key: str) -> float:
+    value = node.raw(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        node.fail(f"expected a positive number, got {_kind(value)}", key)
+    return float(value)
+
+
+def _figure(name: str, node: _Node) -> Figure:
+    node.only({"unit", "measure", "fail_below", "warn_below", "typical", "source"})
+    unit = node.str("unit")
+    if unit != ENVELOPE_FIGURES[name]:
+        node.fail(f"{name} is measured in {ENVELOPE_FIGURES[name]!r}, not {unit!r}", "unit")
+    fail_below, warn_below = _number(node, "fail_below"), _number(node, "warn_below")
+    if fail_below > warn_below:
+        node.fail(f"fail_below ({fail_below:g}) must not exceed warn_below ({warn_below:g})", "fail_below")
+    typical = node.raw("typical")
+    if (
+        not isinstance(typical, list)
+        or len(typical) != 2
+        or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in typical)
+        or typical[0] > typical[1]
+    ):
+        node.fail(f"expected [low, high], two positive numbers with low <= high, got {_kind(typical)}", "typical")
+    if warn_below > typical[0]:
+        node.fail(
+            f"warn_below ({warn_below:g}) is above the typical range {typical}: typical nodes would warn", "warn_below"
+        )
+    if unit == RATIO_UNIT and typical[1] > 1:
+        node.fail(f"a {unit} is at most 1, got {typical[1]:g}", "typical")
+    source = node.str("source")
+    if len(source) < 20:
+        node.fail("say where the typical range comes from (a sentence, at least 20 characters)", "source")
+    return Figure(
+        name=name,
+        unit=unit,
+        measure=node.str("measure"),
+        fail_below=fail_below,
+        warn_below=warn_below,
+        typical=(float(typical[0]), float(typical[1])),
+        source=source,
+    )
+
+
+def _envelope(node: _Node) -> Envelope:
+    node.only(ENVELOPE_FIGURES)
+    return Envelope(**{name: _figure(name, node.node(name)) for name in ENVELOPE_FIGURES})
 
 
 def _target(name: str, node: _Node) -> Target:
     node.only(
-        {"description", "gpu_name", "capability", "count", "memory_gb", "interconnect", "datacenter", "pcie", "source"}
+        {
+            "description",
+            "gpu_name",
+            "capability",
+            "count",
+            "memory_gb",
+            "interconnect",
+            "datacenter",
+            "pcie",
+            "source",
+            "envelope",
+        }
     )
     interconnect = node.str("interconnect")
     if interconnect not in INTERCONNECTS:
@@ -489,6 +582,7 @@ def _target(name: str, node: _Node) -> Target:
         pcie_generation=numbers["pcie.generation"],
         pcie_width=numbers["pcie.width"],
         source=node.str("source"),
+        envelope=_envelope(node.node("envelope")) if node.has("envelope") else None,
     )
 
 

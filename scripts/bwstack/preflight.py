@@ -11,11 +11,15 @@ import glob
 import json
 import os
 import platform
-import re
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from bwstack.accept.collect import collect
+from bwstack.accept.judge import PREFLIGHT_REFUSES, Verdict, Want, driver_meets, judge_static, version_tuple
+from bwstack.accept.machine import Machine
 
 SUPPORTED_OS = ("Ubuntu 22.04", "Ubuntu 24.04", "Debian GNU/Linux 12", "Debian GNU/Linux 13")
 PYTHON_SEARCH = ("/usr/bin/python{v}", "/usr/local/bin/python{v}", "~/.pyenv/versions/{v}.*/bin/python{v}")
@@ -29,11 +33,8 @@ def requirements_of(profile) -> dict:  # profile: bwstack.lockfile.Profile (kept
         "cuda": profile.cuda.version,
         "python": profile.python,
         "glibc_minor": profile.glibc_minor,
+        "accept": Want.of(profile, profile.target).as_json(),
     }
-
-
-def _version(text: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in re.findall(r"\d+", text or ""))
 
 
 def runs_as(python: str, version: str) -> bool:
@@ -130,7 +131,9 @@ def check(
     min_free_gb: float = 25.0,
     allow_no_gpu: bool = False,
     allow_other_gpu: bool = False,
+    machine: Machine | None = None,
 ) -> Report:
+    """`machine`: where the node's driver and PCIe facts are read (default: this machine)."""
     report = Report(req["profile"])
     want = req["target_capability"]
     gpus, driver, why = _gpus()
@@ -165,7 +168,7 @@ def check(
         )
         if not ok and allow_other_gpu:
             report.warnings.append(f"OTHER GPU: capability {', '.join(caps)} is not the profile's {want}")
-        drv_ok = _version(driver or "") >= _version(req["min_driver"])
+        drv_ok = driver_meets(driver or "", req["min_driver"])
         report.checks.append(
             Check(
                 "driver",
@@ -188,7 +191,7 @@ def check(
     )
     os_name = _os_name()
     libc = platform.libc_ver()[1]
-    glibc_ok = _version(libc) >= (2, req["glibc_minor"])
+    glibc_ok = version_tuple(libc) >= (2, req["glibc_minor"])
     report.checks.append(
         Check("glibc", glibc_ok, f"glibc {libc or 'unknown'}; the wheels need >= 2.{req['glibc_minor']}",
               "" if glibc_ok else "use a newer OS (Ubuntu 22.04+)")
@@ -204,7 +207,29 @@ def check(
             "" if python else f"install python{req['python']} and python{req['python']}-venv",
         )
     )
+    _node_facts(report, Want.from_json(req.get("accept")), machine or Machine(), listed=bool(gpus))
     return report
+
+
+# What the preflight checks above already decide for themselves (from nvidia-smi, as they always did).
+_OWN_CHECKS = ("gpu.model", "driver.version")
+
+
+def _node_facts(report: Report, want: Want, machine: Machine, *, listed: bool) -> None:
+    """The static part of `bwstack accept` (the same readers and judge): refuse what makes provisioning
+    pointless (PREFLIGHT_REFUSES), warn about the rest."""
+    facts = collect(machine)
+    if not listed and not (isinstance(facts.gpus, tuple) and facts.gpus):
+        return  # no NVIDIA GPU at all: the gpu check above says so
+    findings = [f for f in judge_static(facts, want) if f.check not in _OWN_CHECKS]
+    for f in findings:
+        if f.check in PREFLIGHT_REFUSES and f.verdict is Verdict.FAIL:
+            report.checks.append(Check(f.check, False, f.detail, f.fix))
+        elif f.verdict in (Verdict.FAIL, Verdict.WARN):
+            report.warnings.append(f"{f.check}: {f.detail}" + (f" -> {f.fix}" if f.fix else ""))
+    unknown = [f.check for f in findings if f.verdict is Verdict.UNKNOWN]
+    if unknown:
+        report.warnings.append(f"not read on this node: {', '.join(unknown)} (`bwstack accept` says why)")
 
 
 def _os_name() -> str:
@@ -227,8 +252,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--allow-no-gpu", action="store_true")
     parser.add_argument("--allow-other-gpu", action="store_true")
     args = parser.parse_args(argv)
+    try:
+        requirements = json.loads(args.requirements)
+        Want.from_json(requirements.get("accept") if isinstance(requirements, dict) else None)
+    except ValueError as exc:
+        print(f"bwstack-probe preflight: bad --requirements: {exc}", file=sys.stderr)
+        return 2
     report = check(
-        json.loads(args.requirements),
+        requirements,
         root=args.root,
         min_free_gb=args.min_free_gb,
         allow_no_gpu=args.allow_no_gpu,

@@ -12,7 +12,24 @@ import elftools
 
 import bwstack
 
-PROBE_MODULES = ("__init__.py", "probe.py", "preflight.py", "envinspect.py", "elfscan.py", "fatbin.py", "features.py")
+PROBE_MODULES = (
+    "__init__.py",
+    "probe.py",
+    "preflight.py",
+    "envinspect.py",
+    "elfscan.py",
+    "fatbin.py",
+    "features.py",
+    # node acceptance's static part (preflight runs it): readers and judge, standard library only
+    "accept/__init__.py",
+    "accept/machine.py",
+    "accept/facts.py",
+    "accept/pcie.py",
+    "accept/driver.py",
+    "accept/kernel.py",
+    "accept/collect.py",
+    "accept/judge.py",
+)
 MAIN = "from bwstack.probe import main\nraise SystemExit(main())\n"
 
 

@@ -2,7 +2,8 @@
 the tests, installed offline from a wheelhouse: the path a cu130 node takes for wheels PyPI does not carry).
 
 One node is driven through: provision fixture-new -> converged re-run -> --check -> provision fixture-old ->
-provision fixture-new with verify failing (rescue rolls it back) -> `bwstack rollback --target` -> verify.yml.
+provision fixture-new with verify failing (rescue rolls it back) -> `bwstack rollback --target` -> verify.yml
+-> verify.yml requiring node acceptance (which this machine, without the target's GPUs, cannot pass).
 The runs happen once (module fixture); each test checks one behaviour of one step. bwstack itself is
 installed into the node's tool venv offline too, from a wheelhouse of its dependencies that the fixture fetches
 from PyPI once, hence `network`.
@@ -114,6 +115,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Node:
     n.provision("failing", "fixture-new", waivers=False)
     n.rollback("rollback")
     n.play("verify", "verify.yml")
+    n.play("accept", "verify.yml", bwstack_verify_require_acceptance=True, bwstack_verify_accept_timeout=60)
     return n
 
 
@@ -167,3 +169,10 @@ def test_verify_playbook_prints_the_table_and_the_waivers(node: Node):
         "toolkit_nvcc_is_the_profiles_cuda_version: waived by the operator: the fixture toolkit has no nvcc" in run.out
     )
     assert run.changed() == 0
+
+
+def test_verify_requiring_acceptance_fails_a_node_that_is_not_accepted_and_shows_why(node: Node):
+    run = node.runs["accept"]
+    assert run.rc != 0
+    assert "acceptance failed on localhost: NOT ACCEPTED" in run.out
+    assert "gpu.model" in run.out and "no NVIDIA GPU on this node" in run.out

@@ -20,7 +20,7 @@ from conftest import REAL_LOCK, bwstack
 from bwstack import lockread
 from bwstack.cli import main
 from bwstack.errors import LockError
-from bwstack.lockfile import GENERATED_MARKER, load_lock
+from bwstack.lockfile import GENERATED_MARKER, load_lock, parse_lock
 
 
 def _spec_and_closures() -> tuple[dict, dict]:
@@ -47,6 +47,7 @@ def _set(path: str, value) -> Callable[[dict], None]:
 
 _DELETE = object()
 TORCH_WHEEL = "profiles.cu130.requirements.torch.static.wheels.0"
+ENVELOPE = "targets.rtx-pro-6000-x8-pcie.envelope"
 
 # (case id, mutation of the whole document, text the one-line error must contain)
 CASES: list[tuple[str, Callable[[dict], None] | str, str]] = [
@@ -167,6 +168,62 @@ CASES: list[tuple[str, Callable[[dict], None] | str, str]] = [
         "target-count-zero",
         _set("targets.rtx-pro-6000-x8-pcie.count", 0),
         "targets.rtx-pro-6000-x8-pcie.count: must be at least 1",
+    ),
+    (
+        "envelope-figure-missing",
+        _set(f"{ENVELOPE}.allreduce_busbw", _DELETE),
+        f"{ENVELOPE}.allreduce_busbw: required key is missing",
+    ),
+    ("envelope-figure-unknown", _set(f"{ENVELOPE}.h2d_bandwidth", {}), f"{ENVELOPE}.h2d_bandwidth: unknown key"),
+    (
+        "envelope-unit-wrong",
+        _set(f"{ENVELOPE}.p2p_same_numa.unit", "GiB/s"),
+        "p2p_same_numa.unit: p2p_same_numa is measured in 'GB/s', not 'GiB/s'",
+    ),
+    (
+        "envelope-threshold-not-a-number",
+        _set(f"{ENVELOPE}.p2p_cross_numa.fail_below", "30 GB/s"),
+        "p2p_cross_numa.fail_below: expected a positive number, got a string",
+    ),
+    (
+        "envelope-threshold-boolean",
+        _set(f"{ENVELOPE}.p2p_cross_numa.warn_below", True),
+        "p2p_cross_numa.warn_below: expected a positive number, got a boolean",
+    ),
+    (
+        "envelope-fail-above-warn",
+        _set(f"{ENVELOPE}.allreduce_busbw.fail_below", 38),
+        "allreduce_busbw.fail_below: fail_below (38) must not exceed warn_below (37)",
+    ),
+    (
+        "envelope-warn-above-typical",
+        _set(f"{ENVELOPE}.allreduce_busbw.warn_below", 39),
+        "allreduce_busbw.warn_below: warn_below (39) is above the typical range",
+    ),
+    (
+        "envelope-typical-reversed",
+        _set(f"{ENVELOPE}.p2p_same_numa.typical", [56, 53]),
+        "p2p_same_numa.typical: expected [low, high]",
+    ),
+    (
+        "envelope-typical-one-number",
+        _set(f"{ENVELOPE}.p2p_same_numa.typical", [53]),
+        "p2p_same_numa.typical: expected [low, high]",
+    ),
+    (
+        "envelope-ratio-above-one",
+        _set(f"{ENVELOPE}.gpu_spread.typical", [0.97, 1.2]),
+        "gpu_spread.typical: a fraction of the node median is at most 1",
+    ),
+    (
+        "envelope-source-missing",
+        _set(f"{ENVELOPE}.p2p_same_numa.source", _DELETE),
+        "p2p_same_numa.source: required key is missing",
+    ),
+    (
+        "envelope-source-too-short",
+        _set(f"{ENVELOPE}.p2p_same_numa.source", "forum"),
+        "p2p_same_numa.source: say where the typical range comes from",
     ),
     (
         "cudart-major-string",
@@ -509,3 +566,26 @@ def test_a_stale_lock_can_still_be_shown_and_checked(tmp_path):
     checked = bwstack("--lock", str(path), "lock", "--check", "--offline")
     assert checked.returncode == 1
     assert "closures.cu128.spec_digest" in checked.stdout and "run `bwstack lock`" in checked.stdout
+
+
+def test_the_real_target_carries_its_envelope_with_units_and_sources():
+    envelope = load_lock(REAL_LOCK).targets["rtx-pro-6000-x8-pcie"].envelope
+    assert envelope is not None
+    assert (envelope.p2p_same_numa.unit, envelope.p2p_same_numa.typical) == ("GB/s", (53.0, 56.0))
+    assert envelope.p2p_cross_numa.typical == (39.0, 51.0)
+    assert envelope.allreduce_busbw.typical == (37.0, 41.0)
+    assert all("rtx6kpro" in f.source for f in (envelope.p2p_same_numa, envelope.allreduce_busbw))
+
+
+def test_editing_an_envelope_changes_no_digest_so_it_needs_no_relock():
+    spec, closures = _spec_and_closures()
+    edited = copy.deepcopy({**spec, "closures": closures})
+    edited["targets"]["rtx-pro-6000-x8-pcie"]["envelope"]["allreduce_busbw"]["fail_below"] = 20
+    dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+    before = parse_lock(yaml.dump({**spec, "closures": closures}, Dumper=dumper, sort_keys=False))
+    after = parse_lock(yaml.dump(edited, Dumper=dumper, sort_keys=False))
+    assert after.targets["rtx-pro-6000-x8-pcie"].envelope.allreduce_busbw.fail_below == 20
+    for name in before.profiles:
+        assert after.profiles[name].spec_digest() == before.profiles[name].spec_digest()
+        assert after.profiles[name].lock_digest() == before.profiles[name].lock_digest()
+        assert after.profiles[name].spec_digest() == before.profiles[name].require_closure("x").spec_digest

@@ -98,3 +98,52 @@ def test_the_probe_zipapp_gives_the_same_verdict_without_bwstack_installed(tmp_p
     )  # fmt: skip
     verdict = json.loads(out.stdout)
     assert verdict["ok"] is (profile == "cu128")  # 575 is below CUDA 13's 580, fine for CUDA 12.8
+
+
+# ------------------------------------------------------------------------------------------------ node facts
+
+
+def _node_facts_preflight(machine: str, profile: str = "cu130"):
+    """Preflight with the driver and PCIe facts read from a TEST FIXTURE machine description (the rest of the
+    checks read this machine, which has no GPU: allowed, as for CPU-only targets)."""
+    from conftest import MACHINES, REAL_LOCK
+
+    from bwstack import preflight
+    from bwstack.accept.machine import Machine
+    from bwstack.lockfile import load_lock
+
+    req = preflight.requirements_of(load_lock(REAL_LOCK).profile(profile))
+    return preflight.check(
+        req, min_free_gb=0, allow_no_gpu=True, machine=Machine.recorded(MACHINES / machine)
+    )  # fmt: skip
+
+
+def test_the_proprietary_module_on_a_blackwell_target_is_refused_with_the_open_module_fix():
+    report = _node_facts_preflight("rtx-pro-6000-x8-misconfigured")
+    assert not report.ok
+    refusal = report.refusal()
+    assert "proprietary nvidia module is loaded" in refusal and "nvidia-driver-580-open" in refusal
+
+
+def test_the_rest_of_the_acceptance_facts_are_warnings_not_refusals():
+    report = _node_facts_preflight("rtx-pro-6000-x8-misconfigured")
+    refused = [c.name for c in report.checks if not c.ok and not c.waived]
+    assert refused == ["driver.flavour"]
+    warned = " | ".join(report.warnings)
+    for check in ("loader.cuda_compat", "pcie.link", "iommu", "pcie.acs", "pcie.aer"):
+        assert f"{check}: " in warned
+
+
+def test_a_healthy_node_adds_no_refusal_and_no_warning():
+    report = _node_facts_preflight("rtx-pro-6000-x8-healthy")
+    assert report.ok
+    assert [w for w in report.warnings if not w.startswith("CPU-ONLY TARGET")] == []
+
+
+@pytest.mark.parametrize("requirements", ["{}", '{"accept": {"profile": "cu130"}}', "[1]", "not json"])
+def test_the_probe_refuses_malformed_requirements_with_one_line(capsys, requirements):
+    from bwstack import probe
+
+    assert probe.main(["preflight", "--requirements", requirements]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bwstack-probe preflight: bad --requirements:") and err.count("\n") == 1

@@ -1,0 +1,161 @@
+"""`bwstack accept`: is this node fit to serve? Static facts (driver, PCIe fabric, IOMMU, loader, kernel
+log) judged against the lock's hardware target, then the GPUs measured for real and the first all-reduce
+run under a hard timeout. Exit 0: accepted; 1: not accepted; 2: bad input. Nothing on the node changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+from bwstack.errors import UsageError
+
+TIMEOUT_DEFAULT_S = 180.0
+TIMEOUT_MAX_S = 3600.0
+
+
+def _timeout(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(f"--timeout {text!r}: expected a number of seconds") from None
+    if not math.isfinite(value) or not 1 <= value <= TIMEOUT_MAX_S:
+        raise UsageError(f"--timeout {text}: must be between 1 and {TIMEOUT_MAX_S:g} seconds")
+    return value
+
+
+def _python(env: str | None) -> str | None:
+    """The interpreter with torch: --env (an env directory or a python), else the active ml-env's."""
+    if env is not None:
+        if not env.strip():
+            raise UsageError("--env is empty: name an env directory or its python")
+        path = Path(env)
+        python = path / "bin" / "python" if path.is_dir() else path
+        if not python.is_file() or not os.access(python, os.X_OK):
+            raise UsageError(f"--env {env}: no Python there (expected an env directory or a python executable)")
+        return str(python)
+    from bwstack.generations import Layout  # not bwstack.probe: that needs pyelftools, which a GPU host may lack
+
+    python = Layout.default().ml_env / "bin" / "python"
+    return str(python) if python.is_file() else None
+
+
+def _machine(args: argparse.Namespace):
+    from bwstack.accept.machine import Machine, Recorder
+
+    if args.machine is not None and args.record is not None:
+        raise UsageError("--machine reads a recorded description and --record writes one: give one of them")
+    if args.machine is not None:
+        if not args.machine.strip():
+            raise UsageError("--machine is empty: name a recorded machine description directory")
+        try:
+            return Machine.recorded(args.machine)
+        except ValueError as exc:
+            raise UsageError(f"--machine: {exc}") from None
+    if args.record is not None:
+        out = Path(args.record)
+        if not args.record.strip() or (out.exists() and (not out.is_dir() or any(out.iterdir()))):
+            raise UsageError(f"--record {args.record!r}: name a new or empty directory")
+        return Recorder(out)
+    return Machine()
+
+
+def cmd_accept(args: argparse.Namespace) -> int:
+    from bwstack.accept.collect import collect
+    from bwstack.accept.judge import Finding, Verdict, Want, judge_static
+    from bwstack.accept.report import AcceptReport, NodeVerdict
+    from bwstack.lockfile import load_lock
+
+    lock = load_lock(args.lock)
+    profile = lock.profile(args.profile)
+    if args.hardware is not None:
+        if args.hardware not in lock.targets:
+            raise UsageError(
+                f"--hardware {args.hardware!r} is not one of the lock's targets ({', '.join(lock.targets)})"
+            )
+        target = lock.targets[args.hardware]
+    else:
+        target = profile.target
+    timeout = _timeout(args.timeout)
+    machine = _machine(args)
+    python = None if args.no_runtime or args.machine is not None else _python(args.env)
+    want = Want.of(profile, target)
+    facts = collect(machine)
+    static = judge_static(facts, want)
+    runtime: tuple[Finding, ...] = ()
+    note, bench, allreduce = "", None, None
+    if args.no_runtime:
+        note = "not run (--no-runtime)"
+    elif args.machine is not None:
+        note = "not run: a recorded machine has no GPUs to measure (run `bwstack accept` on the node itself)"
+    elif python is None:
+        runtime = (
+            Finding(
+                "gpu.runtime",
+                Verdict.UNKNOWN,
+                "no env to run the GPU measurements with (no active ml-env here): pass --env",
+            ),
+        )
+    else:
+        from bwstack.accept.runtime import run_allreduce, run_bench
+        from bwstack.accept.runtime_judge import judge_runtime
+
+        print(f"bwstack accept: measuring the GPUs with {python} (timeout {timeout:g} s per stage)", file=sys.stderr)
+        bench = run_bench(python, timeout)
+        world = len(bench.result.devices) if bench.result else 0
+        if world:
+            print(f"bwstack accept: all-reduce over {world} GPU(s)", file=sys.stderr)
+            allreduce = run_allreduce(python, world, timeout)
+        runtime = judge_runtime(bench, allreduce, target.envelope, facts, static, want)
+    report = AcceptReport(
+        machine=machine.label if args.machine is not None else f"{os.uname().nodename} ({machine.label})",
+        profile=profile.name,
+        target=target.name,
+        static=static,
+        runtime=runtime,
+        runtime_note=note,
+        timeout_s=timeout,
+        facts=facts,
+        bench=bench,
+        allreduce=allreduce,
+    )
+    if args.json:
+        json.dump(report.as_json(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        print(report.verdict_line(), file=sys.stderr)
+    else:
+        print(report.render())
+    return 0 if report.verdict is NodeVerdict.ACCEPTED else 1
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "accept",
+        help="node acceptance: driver, PCIe fabric and the first all-reduce against the lock's target "
+        "(exit 0 accepted, 1 not, 2 bad input)",
+    )
+    p.add_argument("--profile", help="the lock's profile (default: its default_profile); its target is the hardware")
+    p.add_argument(
+        "--hardware", metavar="TARGET", help="judge against this target of the lock instead of the profile's"
+    )
+    p.add_argument(
+        "--env", help="the env (directory or its python) whose torch measures the GPUs (default: the ml-env)"
+    )
+    p.add_argument("--no-runtime", action="store_true", help="static facts only: run nothing on the GPUs")
+    p.add_argument(
+        "--timeout",
+        default=str(TIMEOUT_DEFAULT_S),
+        help=f"hard limit in seconds for each runtime stage, all-reduce included (default {TIMEOUT_DEFAULT_S:g})",
+    )
+    p.add_argument(
+        "--machine",
+        metavar="DIR",
+        help="read the static facts from a recorded machine description instead of this machine (no runtime)",
+    )
+    p.add_argument("--record", metavar="DIR", help="also write this machine's facts as a recorded description into DIR")
+    p.add_argument("--json", action="store_true", help="the report as JSON on stdout (the verdict line on stderr)")
+    p.set_defaults(func=cmd_accept)

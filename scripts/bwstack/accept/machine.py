@@ -1,0 +1,315 @@
+"""Where acceptance reads a node's facts: a root directory for sysfs/procfs files and a command runner.
+
+Node-side: standard library only (it ships in the probe zipapp). The live machine is root "/" and runs the
+commands below. A recorded machine description is a directory that holds the same files under the same
+paths (sys/..., proc/..., etc/...) and the commands' outputs under commands/: `<name>.txt` (stdout),
+`<name>.exit` (exit status, 0 when absent), `<name>.stderr` and `<name>.argv` (both optional). Reading
+changes nothing: files are opened read-only, commands only query, nothing is written on the node (a
+recording writes only into the directory the user names).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+MAX_FILE_BYTES = 1 << 20  # sysfs/procfs files are small; a bigger one is not what we asked for
+MAX_OUTPUT_BYTES = 16 << 20  # a kernel log since boot can be large
+COMMAND_TIMEOUT_S = 60  # nvidia-smi can hang on a wedged GPU: that must not hang acceptance
+SEARCH_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+UNREADABLE_FILE = "unreadable.json"  # in a recording: files that exist but could not be read, and why
+
+# The commands acceptance runs, by name. Alternatives are tried in order; the first that succeeds answers
+# (the kernel log: `dmesg` needs root where kernel.dmesg_restrict=1, the journal may still have it).
+COMMANDS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "lspci": (("lspci", "-D", "-vvv"),),
+    "nvidia-smi-gpus": (
+        (
+            "nvidia-smi",
+            "--query-gpu=index,pci.bus_id,name,compute_cap,driver_version,memory.total,persistence_mode",
+            "--format=csv,noheader,nounits",
+        ),
+    ),
+    "nvidia-smi-topo": (("nvidia-smi", "topo", "-m"),),
+    "nvidia-smi-p2p": (("nvidia-smi", "topo", "-p2p", "r"),),
+    "modinfo-nvidia": (("modinfo", "nvidia"),),
+    "kernel-log": (("dmesg",), ("journalctl", "-k", "-b", "0", "--no-pager", "-q")),
+    "ldconfig": (("ldconfig", "-p"),),
+    "persistenced": (("systemctl", "is-active", "nvidia-persistenced.service"),),
+    "fabricmanager": (("systemctl", "is-active", "nvidia-fabricmanager.service"),),
+}
+
+
+@dataclass(frozen=True)
+class Unknown:
+    """A fact that could not be read, and why (never a guess in its place)."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class Output:
+    argv: tuple[str, ...]
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    def failure(self) -> str:
+        """One line saying how the command failed."""
+        text = (self.stderr.strip() or self.stdout.strip()).splitlines()
+        shown = " ".join(a if len(a) <= 40 else a[:24] + "..." for a in self.argv)
+        return f"`{shown}` exited {self.returncode}" + (f": {text[0][:200]}" if text else "")
+
+
+def stdout_of(out: Output | Unknown) -> str | Unknown:
+    """A command's output, or why there is none (it could not run, or it failed)."""
+    if isinstance(out, Unknown):
+        return out
+    return out.stdout if out.ok else Unknown(out.failure())
+
+
+class Machine:
+    """Files under `root` and commands from `runner`. Every read returns the text or an Unknown."""
+
+    def __init__(self, root: str | Path = "/", commands: Path | None = None, label: str = "") -> None:
+        self.root = Path(root)
+        self.commands = commands  # a recorded description's commands/ directory; None runs them for real
+        self.live = commands is None and str(root) == "/"
+        self.label = label or ("this machine" if self.live else str(root))
+        self._unreadable: dict[str, str] = {}
+        if not self.live:
+            saved = self.root / UNREADABLE_FILE
+            if saved.is_symlink() or (saved.exists() and not saved.is_file()):
+                raise ValueError(f"{saved}: not a plain file")
+            if saved.is_file():
+                if saved.stat().st_size > MAX_FILE_BYTES:
+                    raise ValueError(f"{saved}: larger than {MAX_FILE_BYTES // 1024} KiB")
+                try:
+                    data = json.loads(saved.read_text(encoding="utf-8"))
+                except (OSError, ValueError) as exc:
+                    raise ValueError(f"{saved}: not a JSON object of path -> reason ({exc})") from None
+                if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
+                    raise ValueError(f"{saved}: not a JSON object of path -> reason")
+                self._unreadable = data
+
+    @classmethod
+    def recorded(cls, directory: str | Path) -> Machine:
+        """A recorded machine description (raises ValueError when `directory` is not one)."""
+        path = Path(directory)
+        if not path.is_dir():
+            raise ValueError(f"{path}: no such directory")
+        if not any((path / part).is_dir() for part in ("sys", "proc", "commands")):
+            raise ValueError(f"{path}: not a recorded machine description (no sys/, proc/ or commands/ in it)")
+        return cls(path.resolve(), commands=path.resolve() / "commands", label=str(path))
+
+    # ---------------------------------------------------------------------------------------------- files
+
+    def _host(self, path: str, *, follow_last: bool = True) -> str | Unknown:
+        """The host path for machine path `path`; a recorded description may not lead outside itself."""
+        if not path.startswith("/") or "\0" in path:
+            return Unknown(f"{path!r} is not an absolute path")
+        if self.live:
+            return path
+        host = os.path.join(str(self.root), path.lstrip("/"))
+        parent, name = os.path.split(host)
+        resolved = os.path.realpath(host) if follow_last else os.path.join(os.path.realpath(parent), name)
+        if os.path.commonpath([resolved, str(self.root)]) != str(self.root):
+            return Unknown(f"{path} leads outside the recorded machine {self.label}")
+        return resolved
+
+    def read(self, path: str) -> str | Unknown:
+        if path in self._unreadable:
+            return Unknown(self._unreadable[path])
+        host = self._host(path)
+        if isinstance(host, Unknown):
+            return host
+        try:
+            # O_NONBLOCK: a FIFO planted in a recorded description must not hang the read.
+            fd = os.open(host, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            return Unknown(f"{path} does not exist")
+        except PermissionError:
+            return Unknown(f"{path} is not readable by this user (run as root)")
+        except OSError as exc:
+            return Unknown(f"{path} cannot be opened: {exc.strerror}")
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return Unknown(f"{path} is not a regular file")
+            data = os.read(fd, MAX_FILE_BYTES + 1)
+        except OSError as exc:
+            return Unknown(f"{path} cannot be read: {exc.strerror}")
+        finally:
+            os.close(fd)
+        if len(data) > MAX_FILE_BYTES:
+            return Unknown(f"{path} is larger than {MAX_FILE_BYTES // 1024} KiB: not the file expected there")
+        return data.decode("utf-8", errors="replace")
+
+    def readlink(self, path: str) -> str | Unknown:
+        host = self._host(path, follow_last=False)
+        if isinstance(host, Unknown):
+            return host
+        try:
+            return os.readlink(host)
+        except FileNotFoundError:
+            return Unknown(f"{path} does not exist")
+        except OSError as exc:
+            return Unknown(f"{path} is not a symbolic link ({exc.strerror})")
+
+    def listdir(self, path: str) -> list[str] | Unknown:
+        host = self._host(path)
+        if isinstance(host, Unknown):
+            return host
+        try:
+            return sorted(os.listdir(host))
+        except FileNotFoundError:
+            return Unknown(f"{path} does not exist")
+        except OSError as exc:
+            return Unknown(f"{path} cannot be listed: {exc.strerror}")
+
+    def exists(self, path: str) -> bool:
+        host = self._host(path)
+        return not isinstance(host, Unknown) and os.path.lexists(host)
+
+    # ---------------------------------------------------------------------------------------------- commands
+
+    def run(self, name: str) -> Output | Unknown:
+        if name not in COMMANDS:
+            raise KeyError(name)  # a programming error, not a fact
+        if self.commands is not None:
+            return self._recorded(name)
+        if not self.live:
+            return Unknown(f"commands are not run for {self.label}")
+        return _run_live(COMMANDS[name])
+
+    def _recorded(self, name: str) -> Output | Unknown:
+        assert self.commands is not None
+        base = self.commands / name
+        parts = {}
+        for suffix in (".txt", ".exit", ".stderr", ".argv"):
+            candidate = base.with_name(name + suffix)
+            if candidate.is_symlink() or (candidate.exists() and not candidate.is_file()):
+                return Unknown(f"commands/{candidate.name} in {self.label} is not a plain file")
+            if candidate.is_file():
+                if candidate.stat().st_size > MAX_OUTPUT_BYTES:
+                    return Unknown(f"commands/{candidate.name} in {self.label} is too large")
+                parts[suffix] = candidate.read_text(encoding="utf-8", errors="replace")
+        if not parts:
+            return Unknown(f"`{name}` was not recorded in {self.label}")
+        try:
+            code = int(parts.get(".exit", "0").strip() or "0")
+        except ValueError:
+            return Unknown(f"commands/{name}.exit in {self.label} is not an exit status")
+        argv = tuple(parts[".argv"].split()) if ".argv" in parts else COMMANDS[name][0]
+        return Output(argv, code, parts.get(".txt", ""), parts.get(".stderr", ""))
+
+
+def _run_live(alternatives: tuple[tuple[str, ...], ...]) -> Output | Unknown:
+    env = {"PATH": SEARCH_PATH + ":" + os.environ.get("PATH", ""), "LC_ALL": "C", "LANG": "C"}
+    last: Output | Unknown = Unknown(f"{alternatives[0][0]} is not installed")
+    for argv in alternatives:
+        program = shutil.which(argv[0], path=env["PATH"])
+        if program is None:
+            continue
+        try:
+            done = subprocess.run(
+                [program, *argv[1:]],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                timeout=COMMAND_TIMEOUT_S,
+                env=env,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            last = Unknown(f"`{' '.join(argv)}` did not answer within {COMMAND_TIMEOUT_S} s")
+            continue
+        except OSError as exc:
+            last = Unknown(f"`{' '.join(argv)}` could not start: {exc.strerror}")
+            continue
+        last = Output(
+            argv,
+            done.returncode,
+            done.stdout[:MAX_OUTPUT_BYTES].decode("utf-8", errors="replace"),
+            done.stderr[:MAX_OUTPUT_BYTES].decode("utf-8", errors="replace"),
+        )
+        if last.ok:
+            return last
+    return last
+
+
+class Recorder(Machine):
+    """The live machine, read as usual, with every file, link, listing and command output also written into
+    `directory`: a recorded machine description of this node that replays the same facts offline."""
+
+    def __init__(self, directory: str | Path) -> None:
+        super().__init__("/")
+        self.out = Path(directory)
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "commands").mkdir(exist_ok=True)
+        self.label = "this machine, recorded"
+
+    def _dest(self, path: str) -> Path:
+        parts = [p for p in path.split("/") if p]
+        if any(p in (".", "..") for p in parts):
+            raise ValueError(f"refusing to record {path!r}")
+        return self.out.joinpath(*parts)
+
+    def _save_unreadable(self, path: str, why: str) -> None:
+        self._unreadable[path] = why
+        (self.out / UNREADABLE_FILE).write_text(json.dumps(self._unreadable, indent=1, sort_keys=True) + "\n")
+
+    def read(self, path: str) -> str | Unknown:
+        text = super().read(path)
+        if isinstance(text, str):
+            dest = self._dest(path)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_text(text, encoding="utf-8")
+        elif os.path.lexists(path):  # there but unreadable: keep why, so the replay says the same
+            self._save_unreadable(path, text.why)
+        return text
+
+    def readlink(self, path: str) -> str | Unknown:
+        target = super().readlink(path)
+        if isinstance(target, str):
+            dest = self._dest(path)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if not os.path.lexists(dest):
+                os.symlink(target, dest)
+        return target
+
+    def listdir(self, path: str) -> list[str] | Unknown:
+        names = super().listdir(path)
+        if isinstance(names, list):
+            folder = self._dest(path)
+            folder.mkdir(parents=True, exist_ok=True)
+            for name in names:
+                source, dest = os.path.join(path, name), folder / name
+                if os.path.lexists(dest) or "/" in name:
+                    continue
+                if os.path.islink(source):
+                    os.symlink(os.readlink(source), dest)
+                elif os.path.isdir(source):
+                    dest.mkdir()
+        return names
+
+    def run(self, name: str) -> Output | Unknown:
+        result = super().run(name)
+        base = self.out / "commands" / name
+        if isinstance(result, Unknown):  # replayed as the failure it was, not as "not recorded"
+            result = Output(COMMANDS[name][0], 127, "", result.why)
+        if isinstance(result, Output):
+            base.with_name(name + ".txt").write_text(result.stdout, encoding="utf-8")
+            base.with_name(name + ".argv").write_text(" ".join(result.argv) + "\n", encoding="utf-8")
+            if result.returncode:
+                base.with_name(name + ".exit").write_text(f"{result.returncode}\n")
+            if result.stderr:
+                base.with_name(name + ".stderr").write_text(result.stderr, encoding="utf-8")
+        return result
