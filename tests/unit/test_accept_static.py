@@ -232,7 +232,7 @@ BAD_INPUT = [
     ("timeout-words", lambda t: ["--no-runtime", "--timeout", "soon"], "--timeout 'soon': expected a number"),
     ("timeout-nan", lambda t: ["--no-runtime", "--timeout", "nan"], "must be between"),
     ("timeout-too-long", lambda t: ["--no-runtime", "--timeout", "3601"], "must be between 1 and 3600"),
-    ("timeout-empty", lambda t: ["--no-runtime", "--timeout", ""], "expected a number"),
+    ("timeout-empty", lambda t: ["--no-runtime", "--timeout", ""], "--timeout is empty"),
     ("machine-missing", lambda t: ["--machine", str(t / "nope")], "no such directory"),
     ("machine-a-file", lambda t: ["--machine", _a_file(t)], "no such directory"),
     ("machine-not-a-description", lambda t: ["--machine", _not_a_description(t)], "not a recorded machine"),
