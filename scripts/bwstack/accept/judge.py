@@ -577,7 +577,8 @@ def _interconnect(f: MachineFacts, want: Want) -> Finding:
     if not pairs:
         return Finding(check, Verdict.SKIP, "one GPU: no GPU-to-GPU links")
     kinds = Counter("NV#" if c.startswith("NV") else c for _, _, c in pairs)
-    summary = ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
+    # as nvidia-smi names them (NV18: 18 bonded links), counted in GPU pairs
+    summary = ", ".join(f"{k}: {n} pair{'s' * (n > 1)}" for k, n in sorted(Counter(c for _, _, c in pairs).items()))
     if nvlink:
         missing = [f"GPU{a}-GPU{b} {c}" for a, b, c in pairs if not c.startswith("NV")]
         if missing:
