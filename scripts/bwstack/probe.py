@@ -301,7 +301,7 @@ def _fatbin_summary(path: Path, capability: str) -> dict:
         "summary": fatbin.summary(path),
         "covers": ok,
         "reason": reason,
-        "has_device_code": bool(found),
+        "has_device_code": any(not e.relocatable for e in found),
     }
 
 
