@@ -642,9 +642,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench)
 
     from bwstack import image, playbooks
+    from bwstack.serveplan import cli as serveplan_cli
 
     playbooks.register(sub)
     image.register(sub)
+    serveplan_cli.register(sub)
 
     p = sub.add_parser("verify", help="run the node checks (ABI, CUDA, SM120 kernels, features, GPU) on hosts")
     p.add_argument(

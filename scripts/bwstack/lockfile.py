@@ -497,9 +497,7 @@ def _model_ref(node: _Node, key: str) -> str:
 
     value = node.str(key)
     if not value.startswith("/") and value not in reference_names():
-        node.fail(
-            f"{value!r} is neither a reference config ({', '.join(reference_names())}) nor an absolute path", key
-        )
+        node.fail(f"{value!r} is neither a reference config ({', '.join(reference_names())}) nor an absolute path", key)
     return value
 
 
@@ -509,9 +507,11 @@ def _served_model(node: _Node, target: Target) -> ServedModel:
     tp = node.int("tp")
     if not 1 <= tp <= target.count:
         node.fail(f"must be between 1 and the target's {target.count} GPUs, got {tp}", "tp")
-    algorithm = node.str("speculative_algorithm", pattern=ALGORITHM_RE, hint=" like EAGLE3") if node.has(
-        "speculative_algorithm"
-    ) else None
+    algorithm = (
+        node.str("speculative_algorithm", pattern=ALGORITHM_RE, hint=" like EAGLE3")
+        if node.has("speculative_algorithm")
+        else None
+    )
     draft = _model_ref(node, "draft") if node.has("draft") else None
     if draft is not None and algorithm is None:
         node.fail("a draft model needs speculative_algorithm", "draft")

@@ -14,7 +14,7 @@ observed is reported as not observed, with the reason.
 
 Request (argv[1], JSON): {"device": {"mode": "simulated"|"real", "capability", "count", "memory_mib", "name",
 "interconnect"}, "requests": [{"id", "model_path", "draft_path", "tp", "speculative_algorithm", "quantization",
-"attention_backend", "moe_runner_backend", "env": {...}}]}.
+"attention_backend", "moe_runner_backend", "server_args": {...}, "env": {...}}]}.
 """
 
 from __future__ import annotations
@@ -367,6 +367,7 @@ class Observer:
                 kwargs[key] = request[key]
         if request.get("draft_path"):
             kwargs["speculative_draft_model_path"] = request["draft_path"]
+        kwargs.update(request.get("server_args") or {})  # further ServerArgs fields (the suggested fixes)
         out["server_args_input"] = kwargs
         sa, error = _attempt(ServerArgs, **kwargs)
         values = {}
@@ -378,6 +379,8 @@ class Observer:
         for name in values:
             if name in self.decisions:
                 sites[name] = {k: self.decisions[name][k] for k in ("site", "function", "code")}
+            elif name in kwargs:
+                sites[name] = {"site": None, "function": "given", "code": f"{name}={kwargs[name]!r}"}
             else:
                 sites[name] = {"site": self._default_site(name), "function": "default", "code": ""}
         steps["server_args"] = {
@@ -555,9 +558,9 @@ class Observer:
         if not model.get("experts"):
             steps["moe"] = {"applies": False}
             return
-        import torch
         import sglang.srt.layers.moe.fused_moe_triton.layer as moe_layer
         import sglang.srt.layers.moe.moe_runner.runner as runner_mod
+        import torch
 
         hf = self._model_config.hf_text_config
         runners: list[dict] = []
@@ -695,7 +698,12 @@ class Observer:
 
         def tracer(frame, event, arg):
             name = frame.f_code.co_name
-            if event == "call" and name.startswith("_create_") and name.endswith("_backend") and name != "_create_backend":
+            if (
+                event == "call"
+                and name.startswith("_create_")
+                and name.endswith("_backend")
+                and name != "_create_backend"
+            ):
                 chosen.append(name)
             return None
 
@@ -818,7 +826,7 @@ def _package_dir(name: str) -> str | None:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
         return None
-    return list(spec.submodule_search_locations)[0]
+    return next(iter(spec.submodule_search_locations))
 
 
 # ------------------------------------------------------------------------------------------------ main

@@ -52,6 +52,7 @@ class Request(TypedDict, total=False):
     quantization: str | None
     attention_backend: str | None
     moe_runner_backend: str | None
+    server_args: dict[str, object]  # further ServerArgs fields by name (how suggested fixes are tried)
     env: dict[str, str]
 
 
@@ -232,6 +233,26 @@ def _cubin_categories(sp: Path) -> dict:
     return out
 
 
+# FlashInfer's own architecture checks in front of its prebuilt TRT-LLM kernels: the start-up error they give.
+GUARDS = {
+    "fmha": ("include/flashinfer/trtllm/fmha/fmhaRunner.cuh", r"Unsupported architecture"),
+    "batched_gemm": ("csrc/trtllm_fused_moe_kernel_launcher.cu", r"ICHECK_EQ\(major, 10\)"),
+}
+
+
+def _flashinfer_guards(sp: Path) -> dict:
+    out = {}
+    for family, (rel, pattern) in GUARDS.items():
+        path = sp / "flashinfer" / "data" / rel
+        if not path.is_file():
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            if re.search(pattern, line):
+                out[family] = {"site": f"{path.relative_to(sp)}:{number}", "code": line.strip()[:240]}
+                break
+    return out
+
+
 def _deep_gemm(sp: Path) -> dict | None:
     impls = sp / "deep_gemm" / "include" / "deep_gemm" / "impls"
     if not impls.is_dir():
@@ -277,7 +298,8 @@ PTX_GATHER4 = """.version 8.7
     ld.param.u32 %r1, [c0];
     mov.u32 %r2, smem;
     mov.u32 %r3, bar;
-    cp.async.bulk.tensor.2d.shared::cluster.global.tile::gather4.mbarrier::complete_tx::bytes [%r2], [%rd1, {{%r1, %r1, %r1, %r1, %r1}}], [%r3];
+    cp.async.bulk.tensor.2d.shared::cluster.global.tile::gather4.mbarrier::complete_tx::bytes
+        [%r2], [%rd1, {{%r1, %r1, %r1, %r1, %r1}}], [%r3];
     ret;
 }}
 """
@@ -288,7 +310,7 @@ def _ptxas_try(ptxas: Path, source: str, arch: str) -> dict:
         src = Path(tmp) / "k.ptx"
         src.write_text(source.format(arch=arch))
         code, out, err = probe._run([str(ptxas), f"--gpu-name={arch}", str(src), "-o", str(Path(tmp) / "k.o")])
-    message = " ".join((err or out).split())
+    message = " ".join((err or out).replace(str(src), "k.ptx").split())
     return {"ok": code == 0, "error": message[:400] if code else ""}
 
 
@@ -297,7 +319,7 @@ def _triton(sp: Path, capability: str) -> dict | None:
     if not ptxas.is_file():
         return None
     override = os.environ.get("TRITON_PTXAS_PATH")
-    code, out, _ = probe._run([str(ptxas), "--version"])
+    _, out, _ = probe._run([str(ptxas), "--version"])
     match = re.search(r"release (\d+\.\d+), V([\d.]+)", out)
     major, minor = capability.split(".")
     arch = f"sm_{major}{minor}a"
@@ -336,6 +358,7 @@ def kernel_facts(env: Path, capability: str, sgl_kernel_ops: str | None = None, 
             "flashmla_ops": _coverage(p, capability) if (p := _first(list(sgl.glob("flashmla_ops*.so")))) else None,
         }
     facts["flashinfer_cubin"] = _cubin_categories(sp)
+    facts["flashinfer_guards"] = _flashinfer_guards(sp)
     facts["flashinfer_jit_cache"] = _jit_cache(sp, capability)
     facts["deep_gemm"] = _deep_gemm(sp)
     facts["triton_kernels"] = _triton_kernels(sp)
