@@ -13,6 +13,15 @@ import elftools
 import bwstack
 
 PROBE_MODULES = ("__init__.py", "probe.py", "preflight.py", "envinspect.py", "elfscan.py", "fatbin.py", "features.py")
+# serve-plan's node side and the data it reads there (the reference model configs)
+PROBE_FILES = (
+    "serveplan/__init__.py",
+    "serveplan/node.py",
+    "serveplan/inenv.py",
+    "serveplan/references.py",
+    "data/__init__.py",
+)
+PROBE_DATA = ("data/models",)
 MAIN = "from bwstack.probe import main\nraise SystemExit(main())\n"
 
 
@@ -24,8 +33,13 @@ def build() -> bytes:
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
         archive.writestr(zipfile.ZipInfo("__main__.py", stamp), MAIN)
         package = Path(bwstack.__file__).parent
-        for name in PROBE_MODULES:
+        for name in (*PROBE_MODULES, *PROBE_FILES):
             archive.writestr(zipfile.ZipInfo(f"bwstack/{name}", stamp), (package / name).read_bytes())
+        for folder in PROBE_DATA:
+            for path in sorted((package / folder).rglob("*")):
+                if path.is_file():
+                    rel = path.relative_to(package).as_posix()
+                    archive.writestr(zipfile.ZipInfo(f"bwstack/{rel}", stamp), path.read_bytes())
         root = Path(elftools.__file__).parent
         for path in sorted(root.rglob("*.py")):
             archive.writestr(zipfile.ZipInfo(f"elftools/{path.relative_to(root)}", stamp), path.read_bytes())

@@ -394,6 +394,42 @@ def observe(env: Path, device: Device, requests: list[Request], *, cuda: dict | 
     return result
 
 
+def resolve_device(spec: dict, env: Path) -> Device:
+    """The device a job names: `real` (this host's GPU), `simulated` (the target described by spec) or `auto`
+    (the real GPU when this host has the target's capability, the simulated target otherwise)."""
+    mode = spec.get("mode", "auto")
+    simulated = Device(
+        SIMULATED, spec["capability"], int(spec["count"]), int(spec["memory_mib"]), spec["name"], spec["interconnect"]
+    )
+    if mode == SIMULATED:
+        return simulated
+    gpus = probe.gpu_facts()
+    if mode == "auto" and not (gpus["present"] and {g["capability"] for g in gpus["gpus"]} == {spec["capability"]}):
+        return simulated
+    real = real_device(env, spec["interconnect"]) if gpus["present"] else None
+    if real is None:
+        if mode == REAL:
+            raise RuntimeError(f"no GPU visible to the env's torch on this host: {gpus.get('reason')}")
+        return simulated
+    return real
+
+
+def main(argv: list[str]) -> int:
+    """`probe.pyz serve-plan --env ENV JOB_JSON`: the observation of a job, as one JSON line."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="bwstack-probe serve-plan")
+    parser.add_argument("--env", required=True)
+    parser.add_argument("job")
+    args = parser.parse_args(argv)
+    job = json.loads(args.job)
+    env = Path(args.env)
+    observation = observe(env, resolve_device(job["device"], env), job["requests"])
+    sys.stdout.write(json.dumps(observation.as_dict(), default=str) + "\n")
+    return 0
+
+
 def real_device(env: Path, interconnect: str) -> Device | None:
     """The first GPU of this host as torch in the env sees it (None without one)."""
     code = (
