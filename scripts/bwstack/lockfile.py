@@ -508,7 +508,7 @@ def _served_model(node: _Node, target: Target) -> ServedModel:
     if not 1 <= tp <= target.count:
         node.fail(f"must be between 1 and the target's {target.count} GPUs, got {tp}", "tp")
     algorithm = (
-        node.str("speculative_algorithm", pattern=ALGORITHM_RE, hint=" like EAGLE3")
+        node.str("speculative_algorithm", pattern=ALGORITHM_RE, hint=" (an SGLang algorithm name like EAGLE3)")
         if node.has("speculative_algorithm")
         else None
     )

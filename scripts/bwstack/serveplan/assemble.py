@@ -70,7 +70,7 @@ def _nvcc_for(arch_flags: list[str]) -> tuple[str, str | None]:
 def _flashinfer_jit(ctx: Context, module: str) -> _Kernel:
     jit = ctx.steps.get("flashinfer_jit") or {}
     if not jit.get("ok"):
-        error = (jit.get("error") or {}).get("message", "FlashInfer could not be imported")
+        error = (jit.get("error") or jit.get("not_observed") or {}).get("message", "FlashInfer could not be imported")
         return _Kernel((f"FlashInfer JIT ({module})",), Verdict.NOT_OBSERVED, f"FlashInfer's JIT settings: {error}")
     flags = jit.get("nvcc_flags") or []
     if jit.get("error"):
@@ -225,6 +225,17 @@ def _row(component: str, backend: str, kernel: _Kernel, decided: tuple[str, ...]
     return PlanPath(component, backend, kernel.kernels, kernel.verdict, text, decided, kernel.jit_found)
 
 
+def _unobserved(component: str, step: Mapping) -> PlanPath | None:
+    """A step that could not run here (its imports failed in this env) gives a not-observed row."""
+    error = step.get("not_observed")
+    if not error:
+        return None
+    kernel = _Kernel(
+        (), Verdict.NOT_OBSERVED, f"not observed: SGLang's code for it could not run here: {_error_text(error)}"
+    )
+    return _row(component, "?", kernel, ())
+
+
 def _error_text(error: Mapping) -> str:
     where = f" (raised at {error['site']}: {error.get('code')})" if error.get("site") else ""
     return f"{error['type']}: {error['message']}{where}"
@@ -232,6 +243,8 @@ def _error_text(error: Mapping) -> str:
 
 def _attention_rows(ctx: Context) -> list[PlanPath]:
     step = ctx.steps.get("attention") or {}
+    if (row := _unobserved("attention", step)) is not None:
+        return [row]
     mla = bool((ctx.steps.get("model") or {}).get("use_mla_backend"))
     decided = _sites(ctx, "attention_backend", "prefill_attention_backend", "decode_attention_backend")
     names = [("attention", step.get("prefill"))]
@@ -263,6 +276,8 @@ def _attention_rows(ctx: Context) -> list[PlanPath]:
 
 def _draft_rows(ctx: Context) -> list[PlanPath]:
     spec = ctx.steps.get("speculative") or {}
+    if (row := _unobserved("speculative decoding", spec)) is not None:
+        return [row]
     if not spec.get("applies"):
         return []
     rows = []
@@ -331,6 +346,8 @@ def _linear_rows(ctx: Context) -> list[PlanPath]:
     step = ctx.steps.get("linear")
     if not step:
         return []
+    if (row := _unobserved("dense GEMM", step)) is not None:
+        return [row]
     decided = tuple(s for s in [step.get("method_site")] if s)
     if not step.get("ok"):
         error = step.get("error") or {}
@@ -432,6 +449,8 @@ MOE: dict[str, Callable[[Context], _Kernel]] = {
 
 def _moe_rows(ctx: Context) -> list[PlanPath]:
     step = ctx.steps.get("moe") or {}
+    if (row := _unobserved("MoE", step)) is not None:
+        return [row]
     if not step.get("applies"):
         return []
     decided = _sites(ctx, "moe_runner_backend")
@@ -460,6 +479,8 @@ def _moe_rows(ctx: Context) -> list[PlanPath]:
 
 def _all_reduce_rows(ctx: Context) -> list[PlanPath]:
     step = ctx.steps.get("all_reduce") or {}
+    if (row := _unobserved("all-reduce", step)) is not None:
+        return [row]
     if int(step.get("tp") or 1) <= 1:
         return []
     chain: list[str] = []

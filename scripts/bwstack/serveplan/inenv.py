@@ -14,7 +14,7 @@ observed is reported as not observed, with the reason.
 
 Request (argv[1], JSON): {"device": {"mode": "simulated"|"real", "capability", "count", "memory_mib", "name",
 "interconnect"}, "requests": [{"id", "model_path", "draft_path", "tp", "speculative_algorithm", "quantization",
-"attention_backend", "moe_runner_backend", "server_args": {...}, "env": {...}}]}.
+"attention_backend", "moe_runner_backend", "server_args": {...}}]}; the caller sets the environment.
 """
 
 from __future__ import annotations
@@ -342,16 +342,12 @@ class Observer:
     # -- one request
 
     def observe(self, request: dict) -> dict:
-        env_before = dict(os.environ)
-        os.environ.update(request.get("env") or {})
+        """One model; the environment is the process's own (set before SGLang was imported: it reads most of its
+        variables at import)."""
         self.decisions, self.history = {}, []
         self.records.items = []
         out: dict = {"id": request.get("id"), "steps": {}}
-        try:
-            self._observe(request, out)
-        finally:
-            os.environ.clear()
-            os.environ.update(env_before)
+        self._observe(request, out)
         out["log"] = self.records.items
         return out
 
@@ -392,17 +388,30 @@ class Observer:
         }
         if sa is None:
             return
-        self._model(sa, steps)
-        self._scheduler_init(sa, steps)
-        quant_config = self._quant_config(sa, steps)
-        self._simulate_parallel_groups(sa)
-        self._linear(sa, quant_config, steps)
-        self._moe(sa, quant_config, steps)
-        self._deep_gemm(steps)
-        self._attention(sa, steps)
-        self._speculative(sa, steps)
-        self._all_reduce(sa, steps)
-        self._flashinfer_jit(steps)
+        # Each later step imports more of SGLang (and sgl-kernel, FlashInfer): one that cannot run here (a
+        # package absent from a minimal env) is reported as not observed and the others still run.
+        self._qc = None
+        self._model_config = None
+        for name, step in (
+            ("model", lambda: self._model(sa, steps)),
+            ("scheduler_init", lambda: self._scheduler_init(sa, steps)),
+            ("quant_config", lambda: self._quant_config(sa, steps)),
+            ("parallel_groups", lambda: self._simulate_parallel_groups(sa)),
+            ("linear", lambda: self._linear(sa, self._qc, steps)),
+            ("moe", lambda: self._moe(sa, self._qc, steps)),
+            ("deep_gemm", lambda: self._deep_gemm(steps)),
+            ("attention", lambda: self._attention(sa, steps)),
+            ("speculative", lambda: self._speculative(sa, steps)),
+            ("all_reduce", lambda: self._all_reduce(sa, steps)),
+            ("flashinfer_jit", lambda: self._flashinfer_jit(steps)),
+        ):
+            try:
+                result = step()
+            except Exception as exc:  # reported as this step's observation
+                steps[name] = {**steps.get(name, {}), "ok": False, "not_observed": _error(exc)}
+                continue
+            if name == "quant_config":
+                self._qc = result
 
     def _model(self, sa, steps: dict) -> None:
         mc, error = _attempt(sa.get_model_config)

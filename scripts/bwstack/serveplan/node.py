@@ -132,15 +132,39 @@ def _child_env(base: dict[str, str], bin_dir: Path | None, stub_dir: Path | None
     return env
 
 
+def _run_child(python: str, script: Path, job: dict, env: dict[str, str], cwd: str, timeout: int) -> dict:
+    try:
+        proc = subprocess.run(
+            [python, "-I", str(script), json.dumps(job)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            cwd=cwd,
+        )
+    except FileNotFoundError:
+        return {"error": f"{python}: no such interpreter"}
+    except subprocess.TimeoutExpired:
+        return {"error": f"SGLang's resolution did not finish in {timeout} s"}
+    for line in proc.stdout.splitlines():
+        if line.startswith(MARKER):
+            return json.loads(line[len(MARKER) :])
+    tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+    return {"error": f"the env's interpreter exited {proc.returncode} without a result: {tail[-1500:]}"}
+
+
 def run_inenv(env: Path, device: Device, requests: list[Request], timeout: int = 1800) -> dict:
-    """Run inenv.py in the env's interpreter for these requests; its JSON, or {"error": ...}."""
+    """Run inenv.py in the env's interpreter for these requests; its JSON, or {"error": ...}.
+
+    Requests with different environments run in different interpreters: SGLang reads most of its environment
+    variables when its modules are imported, so a variable set later would change nothing."""
     python = str(Path(env) / "bin" / "python")
     sp = envinspect.site_packages(Path(env))
     with tempfile.TemporaryDirectory(prefix="bwstack-serveplan-") as tmp:
         tmpdir = Path(tmp)
         jobs = []
         for request in requests:
-            job = {k: v for k, v in request.items() if k not in ("model", "draft")}
+            job = {k: v for k, v in request.items() if k not in ("model", "draft", "env")}
             job["model_path"] = _model_path(request["model"], tmpdir / "models")
             if request.get("draft"):
                 job["draft_path"] = _model_path(request["draft"], tmpdir / "models")
@@ -161,30 +185,34 @@ def run_inenv(env: Path, device: Device, requests: list[Request], timeout: int =
                     notes.append("no C compiler here for a stand-in libcuda.so.1: sgl-kernel cannot load")
                 else:
                     notes.append("no NVIDIA driver on this host: sgl-kernel loaded against a stand-in libcuda.so.1")
-        job = {"device": {"mode": device.mode, **{k: v for k, v in asdict(device).items() if k != "mode"}}}
-        job["requests"] = jobs
-        try:
-            proc = subprocess.run(
-                [python, "-I", str(script), json.dumps(job)],
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-                env=_child_env(dict(os.environ), bin_dir, stub_dir),
-                cwd=tmp,
-            )
-        except FileNotFoundError:
-            return {"error": f"{python}: no such interpreter"}
-        except subprocess.TimeoutExpired:
-            return {"error": f"SGLang's resolution did not finish in {timeout} s"}
-        for line in proc.stdout.splitlines():
-            if line.startswith(MARKER):
-                result = json.loads(line[len(MARKER) :])
-                result["notes"] = notes
-                for observation, request in zip(result.get("observations", []), jobs, strict=False):
-                    observation["model_path"] = request["model_path"]
-                return result
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-        return {"error": f"the env's interpreter exited {proc.returncode} without a result: {tail[-1500:]}"}
+        base_env = _child_env(dict(os.environ), bin_dir, stub_dir)
+        device_json = {"mode": device.mode, **{k: v for k, v in asdict(device).items() if k != "mode"}}
+        groups: dict[str, list[int]] = {}
+        for index, request in enumerate(requests):
+            groups.setdefault(json.dumps(sorted((request.get("env") or {}).items())), []).append(index)
+        meta: dict | None = None
+        errors: list[str] = []
+        observations: list[dict | None] = [None] * len(jobs)
+        for key, indexes in groups.items():
+            extra = dict(json.loads(key))
+            job = {"device": device_json, "requests": [jobs[i] for i in indexes]}
+            result = _run_child(python, script, job, {**base_env, **extra}, tmp, timeout)
+            if result.get("error"):
+                errors.append(result["error"])
+                for i in indexes:
+                    crashed = {"type": "EnvError", "message": result["error"], "site": None, "code": ""}
+                    observations[i] = {"id": jobs[i].get("id"), "crashed": crashed, "steps": {}}
+                continue
+            meta = meta or result
+            for i, observation in zip(indexes, result.get("observations", []), strict=False):
+                observation["model_path"] = jobs[i]["model_path"]
+                observation["env"] = extra
+                observations[i] = observation
+        if meta is None:
+            return {"error": errors[0] if errors else "no requests"}
+        meta["observations"] = observations
+        meta["notes"] = notes
+        return meta
 
 
 # ------------------------------------------------------------------------------------------------ kernels
