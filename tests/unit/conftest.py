@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
@@ -122,3 +125,70 @@ def have_python312() -> bool:
 
 
 needs_py312 = pytest.mark.skipif(not have_python312(), reason="no Python 3.12 interpreter (the profiles' Python)")
+
+
+@pytest.fixture(scope="session")
+def real(tmp_path_factory):
+    """The real cu128 env built from the lock (slow tier; one per session, shared by every test that needs it)."""
+    base = Path(os.environ.get("BWSTACK_TEST_REAL_ROOT") or tmp_path_factory.mktemp("real"))
+    base.mkdir(parents=True, exist_ok=True)
+    env = {
+        "BWSTACK_ROOT": str(base / "root"),
+        "BWSTACK_ML_ENV": str(base / "ml-env"),
+        "BWSTACK_CUDA_LINK": "none",
+    }
+    lock = base / "stack.lock.yaml"
+    _write_lock_with_unpatched_twin(lock)
+    started = time.perf_counter()
+    result = bwstack("--lock", str(lock), "build", "--profile", "cu128", "--json", env=env, timeout=3600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    print(f"\ncu128 build from the lock: {time.perf_counter() - started:.1f} s")
+    tk = bwstack("--lock", str(lock), "cuda", "install", "--profile", "cu128", "--json", env=env, timeout=1800)
+    assert tk.returncode == 0, tk.stderr[-2000:]
+
+    class Real:
+        pass
+
+    from bwstack.generations import Layout, Store
+
+    r = Real()
+    r.base, r.env, r.lock = base, env, lock
+    r.build = json.loads(result.stdout)
+    r.run = lambda *args, **kw: bwstack("--lock", str(lock), *args, env={**env, **kw.pop("extra_env", {})}, **kw)
+    r.store = Store(Layout(base / "root", base / "ml-env", None, None))
+    r.ml_env = base / "ml-env"
+    return r
+
+
+def _write_lock_with_unpatched_twin(path: Path) -> None:
+    """The real lock plus `cu128-unpatched`: the same closure without the SM120 patch, a second real
+    generation that installs in seconds from the warm cache."""
+    doc = yaml.safe_load(REAL_LOCK.read_text())
+    twin = json.loads(json.dumps(doc["profiles"]["cu128"]))
+    twin["patches"] = []
+    twin["description"] = "TEST: the cu128 profile without the SM120 patch"
+    doc["profiles"]["cu128-unpatched"] = twin
+    doc["closures"]["cu128-unpatched"] = doc["closures"]["cu128"]
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+
+
+@pytest.fixture(scope="session")
+def real_flashinfer_064(real, tmp_path_factory):
+    """A hard-link twin of the real cu128 env with FlashInfer 0.6.4 (python and cubin wheels from PyPI, as the
+    cu130 profile pins) in place of 0.6.3: installers replace files, so the real env is untouched."""
+    from realwheels import wheel
+
+    from bwstack.uvtool import run_uv, uv_env
+
+    wheels = [wheel("flashinfer-python", "0.6.4"), wheel("flashinfer-cubin", "0.6.4")]
+    dest = tmp_path_factory.mktemp("fi064") / "env"
+    subprocess.run(["cp", "-al", str(real.store.active().env), str(dest)], check=True)
+    subprocess.run(["chmod", "-R", "u+w", str(dest)], check=True)
+    result = run_uv(
+        ["pip", "install", "--python", str(dest / "bin" / "python"), "--no-deps", *map(str, wheels)],
+        env=uv_env({"UV_CACHE_DIR": str(real.store.layout.uv_cache)}),
+        capture=True,
+    )
+    assert result.returncode == 0, result.stderr[-1000:]
+    yield dest
+    shutil.rmtree(dest, ignore_errors=True)

@@ -1,69 +1,23 @@
 """The real cu128 stack from PyPI (slow tier: ~5 GB of wheels, ~10 GB installed, about a minute cold).
 
 Everything here runs on real artifacts: the lock's closure installed with hashes required, the real
-libraries read by the checks, sglang's real files patched and reverted. BWSTACK_TEST_REAL_ROOT reuses a
-store between runs (and BWSTACK_CACHE shares its downloads with other tiers).
+libraries read by the checks, sglang's real files patched and reverted. The env is conftest's `real` fixture
+(shared with the serve-plan truth tests); BWSTACK_TEST_REAL_ROOT reuses a store between runs (and BWSTACK_CACHE
+shares its downloads with other tiers).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import time
-from pathlib import Path
 
 import pytest
-import yaml
-from conftest import REAL_LOCK, bwstack, needs_py312
-
-from bwstack.generations import Layout, Store
+from conftest import needs_py312
 
 pytestmark = [pytest.mark.slow, pytest.mark.network, needs_py312]
 
 NVCC_WAIVER = "nvcc=the CUDA 12.8 toolkit from NVIDIA's PyPI wheels has no nvcc (only ptxas and NVVM)"
-
-
-@pytest.fixture(scope="module")
-def real(tmp_path_factory):
-    base = Path(os.environ.get("BWSTACK_TEST_REAL_ROOT") or tmp_path_factory.mktemp("real"))
-    base.mkdir(parents=True, exist_ok=True)
-    env = {
-        "BWSTACK_ROOT": str(base / "root"),
-        "BWSTACK_ML_ENV": str(base / "ml-env"),
-        "BWSTACK_CUDA_LINK": "none",
-    }
-    lock = base / "stack.lock.yaml"
-    _write_lock_with_unpatched_twin(lock)
-    started = time.perf_counter()
-    result = bwstack("--lock", str(lock), "build", "--profile", "cu128", "--json", env=env, timeout=3600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    print(f"\ncu128 build from the lock: {time.perf_counter() - started:.1f} s")
-    tk = bwstack("--lock", str(lock), "cuda", "install", "--profile", "cu128", "--json", env=env, timeout=1800)
-    assert tk.returncode == 0, tk.stderr[-2000:]
-
-    class Real:
-        pass
-
-    r = Real()
-    r.base, r.env, r.lock = base, env, lock
-    r.build = json.loads(result.stdout)
-    r.run = lambda *args, **kw: bwstack("--lock", str(lock), *args, env={**env, **kw.pop("extra_env", {})}, **kw)
-    r.store = Store(Layout(base / "root", base / "ml-env", None, None))
-    return r
-
-
-def _write_lock_with_unpatched_twin(path: Path) -> None:
-    """The real lock plus `cu128-unpatched`: the same closure without the SM120 patch, a second real
-    generation that installs in seconds from the warm cache."""
-    doc = yaml.safe_load(REAL_LOCK.read_text())
-    twin = json.loads(json.dumps(doc["profiles"]["cu128"]))
-    twin["patches"] = []
-    twin["description"] = "TEST: the cu128 profile without the SM120 patch"
-    doc["profiles"]["cu128-unpatched"] = twin
-    doc["closures"]["cu128-unpatched"] = doc["closures"]["cu128"]
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
 
 
 _VERIFIED: dict[tuple, tuple] = {}

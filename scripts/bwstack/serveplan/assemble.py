@@ -620,10 +620,14 @@ def plan_for(observation: Mapping, index: int, catalogue: Catalogue, label: str 
         return Plan(server_args={}, decisions=decisions, paths=tuple(paths), notes=tuple(notes), **base)
     paths: list[PlanPath] = []
     quant = steps.get("quant_config") or {}
+    builders = [_attention_rows, _draft_rows, _sampling_rows, _linear_rows, _moe_rows, _all_reduce_rows]
     if quant.get("error"):
-        kernel = _Kernel((), Verdict.MISSING, f"SGLang refuses the quantization: {_error_text(quant['error'])}")
-        paths.append(_row("quantization", str((steps.get("model") or {}).get("quantization")), kernel, ()))
-    for rows in (_attention_rows, _draft_rows, _sampling_rows, _linear_rows, _moe_rows, _all_reduce_rows):
+        error = quant["error"]
+        kernel = _Kernel((), Verdict.MISSING, f"SGLang refuses the quantization: {_error_text(error)}")
+        where = tuple(filter(None, [error.get("site"), quant.get("check_site")]))
+        paths.append(_row("quantization", str((steps.get("model") or {}).get("quantization")), kernel, where))
+        builders = [b for b in builders if b not in (_linear_rows, _moe_rows)]  # the model never gets that far
+    for rows in builders:
         paths.extend(rows(ctx))
     paths = [_with_catalogue(ctx, p, notes) for p in paths]
     for name, error in ((steps.get("scheduler_init") or {}).get("errors") or {}).items():
