@@ -838,6 +838,39 @@ def _package_dir(name: str) -> str | None:
     return next(iter(spec.submodule_search_locations))
 
 
+# ------------------------------------------------------------------------------------------------ device view
+
+DEVICE_PROBES = (
+    "is_cuda", "is_hip", "get_device", "get_device_name", "get_device_sm", "get_device_memory_capacity",
+    "is_hopper_with_cuda_12_3", "is_sm90_supported", "is_sm100_supported", "is_sm120_supported",
+    "is_blackwell_supported", "is_flashinfer_available", "is_triton_kernels_available",
+)  # fmt: skip
+
+
+def _device_view() -> dict:
+    """The device as SGLang's own probes see it (sglang/srt/utils/common.py): every capability decision in
+    ServerArgs reads these, so equal answers mean equal choices."""
+    import torch
+
+    view: dict = {"torch.version.cuda": torch.version.cuda}
+    try:
+        view["torch.cuda.get_device_capability"] = list(torch.cuda.get_device_capability())
+    except Exception as exc:
+        view["torch.cuda.get_device_capability"] = {"error": _error(exc)}
+    try:
+        common = importlib.import_module("sglang.srt.utils.common")
+    except Exception as exc:
+        view["sglang.srt.utils.common"] = {"error": _error(exc)}
+        return view
+    for name in DEVICE_PROBES:
+        fn = getattr(common, name, None)
+        if fn is None:
+            continue
+        value, error = _attempt(fn)
+        view[name] = _plain(value) if error is None else {"error": error}
+    return view
+
+
 # ------------------------------------------------------------------------------------------------ main
 
 
@@ -850,6 +883,7 @@ def main(argv: list[str]) -> int:
     result: dict = {"schema": SCHEMA, "versions": _versions(), "device": device, "observations": []}
     if device["mode"] == "real":
         result["real_device"] = _real_device()
+    result["sglang_device_view"] = _device_view()
     try:
         import sgl_kernel
 

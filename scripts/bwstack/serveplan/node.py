@@ -182,7 +182,7 @@ def run_inenv(env: Path, device: Device, requests: list[Request], timeout: int =
                 stub_dir.mkdir()
                 if probe._stub_libcuda(sp, stub_dir) is None:
                     stub_dir = None
-                    notes.append("no C compiler here for a stand-in libcuda.so.1: sgl-kernel cannot load")
+                    notes.append("no stand-in libcuda.so.1 (no C compiler, or nothing here links libcuda)")
                 else:
                     notes.append("no NVIDIA driver on this host: sgl-kernel loaded against a stand-in libcuda.so.1")
         base_env = _child_env(dict(os.environ), bin_dir, stub_dir)
