@@ -184,6 +184,7 @@ def test_the_fix_search_replans_with_sglang_and_keeps_only_what_runs():
     fix = assemble.find_fix(plan, observation["requests"][0], catalogue.load(), replay)
     assert fix.fixes and fix.flags == ("--sampling-backend", "pytorch", "--fp8-gemm-backend", "triton")
     assert fix.env == {}
+    assert "SGLANG_ENABLE_JIT_DEEPGEMM=0: dense GEMM becomes flashinfer_trtllm, missing" in fix.rejected
     tried = replay.asked[0]
     deepgemm_off = next(i for i, r in enumerate(tried) if r["env"] == {"SGLANG_ENABLE_JIT_DEEPGEMM": "0"})
     after = assemble.plan_for(fixture("deepseek-v3-tp8-sm120")["runs"][0], deepgemm_off, catalogue.load())

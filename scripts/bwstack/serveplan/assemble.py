@@ -702,6 +702,7 @@ def find_fix(plan: Plan, request: Mapping, catalogue: Catalogue, run: Runner) ->
     tried = run([_apply(request, [c]) for _, c in candidates])
     passing_before = {p.component for p in plan.paths if not p.fails}
     chosen: list[_Candidate] = []
+    rejected: list[str] = []
     fixed: set[str] = set()
     for i, (component, cand) in enumerate(candidates):
         if component in fixed:
@@ -709,16 +710,29 @@ def find_fix(plan: Plan, request: Mapping, catalogue: Catalogue, run: Runner) ->
         attempt = plan_for(tried, i, catalogue)
         still = {p.component for p in attempt.failing}
         if attempt.error or component in still or (still & passing_before):
+            rejected.append(f"{_describe(cand)}: {_outcome(attempt, component, still & passing_before)}")
             continue
         chosen.append(cand)
         fixed |= failing - still
     if not chosen:
-        return Fix((), {}, {}, (), False, tuple(sorted(failing)))
+        return Fix((), {}, {}, (), False, tuple(sorted(failing)), rejected=tuple(rejected))
     final = plan_for(run([_apply(request, chosen)]), 0, catalogue)
     flags = tuple(f for c in chosen for f in c.flags)
     env = {k: v for c in chosen for k, v in c.env.items()}
     args = {k: v for c in chosen for k, v in c.server_args.items()}
     remaining = tuple(sorted({p.component for p in final.failing})) if not final.error else ("(plan failed)",)
-    return Fix(
-        flags, env, args, tuple(c.why for c in chosen), not remaining and not final.error, remaining, final.paths
-    )
+    reasons = tuple(c.why for c in chosen)
+    fixes = not remaining and not final.error
+    return Fix(flags, env, args, reasons, fixes, remaining, final.paths, tuple(rejected))
+
+
+def _describe(cand: _Candidate) -> str:
+    return " ".join([*cand.flags, *(f"{k}={v}" for k, v in cand.env.items())])
+
+
+def _outcome(attempt: Plan, component: str, broken: set[str]) -> str:
+    """What a rejected change led to, in the words of the plan SGLang made with it."""
+    if attempt.error:
+        return f"no plan ({attempt.error[:200]})"
+    rows = [p for p in attempt.paths if p.fails and (p.component == component or p.component in broken)]
+    return "; ".join(f"{p.component} becomes {p.backend}, {p.verdict.value}" for p in rows) or "no change"

@@ -48,6 +48,7 @@ class Fix:
     fixes: bool  # the plan with these flags and env has no failing path
     remaining: tuple[str, ...] = ()  # components still failing with them
     paths: tuple[PlanPath, ...] = ()  # the plan's paths with them
+    rejected: tuple[str, ...] = ()  # changes tried and not suggested, with what they led to
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,7 @@ class Plan:
                 "fixes": self.fix.fixes,
                 "remaining": list(self.fix.remaining),
                 "paths": [_path_json(p) for p in self.fix.paths],
+                "rejected": list(self.fix.rejected),
             },
             "packages": dict(self.packages),
             "notes": list(self.notes),
@@ -135,6 +137,7 @@ class FixJSON(TypedDict):
     fixes: bool
     remaining: list[str]
     paths: list[PathJSON]
+    rejected: list[str]
 
 
 class PlanJSON(TypedDict):

@@ -43,16 +43,21 @@ def _table(paths: tuple[PlanPath, ...], indent: str = "") -> list[str]:
     return lines
 
 
-def _fix(fix: Fix) -> list[str]:
+def _fix(fix: Fix, before: tuple[PlanPath, ...]) -> list[str]:
+    tried = [line for change in fix.rejected for line in _wrap(f"- tried {change}", "  ")]
     if not fix.flags and not fix.env:
-        return [f"no flag or environment from the catalogue fixes: {', '.join(fix.remaining)}"]
+        return [f"no flag or environment from the catalogue fixes: {', '.join(fix.remaining)}", *tried]
     change = " ".join([*fix.flags, *(f"{k}={v}" for k, v in fix.env.items())])
     outcome = "with them every path runs" if fix.fixes else f"still failing with them: {', '.join(fix.remaining)}"
     lines = [f"suggested: {change}  ({outcome})"]
     lines += [line for reason in fix.reasons for line in _wrap(f"- {reason}", "  ")]
-    if fix.paths:
-        lines.append("  the plan with them:")
-        lines += _table(fix.paths, "    ")
+    if tried:
+        lines += ["  not suggested (SGLang's plan with them still fails):", *tried]
+    was = {(p.component, p.backend, p.verdict) for p in before}
+    changed = tuple(p for p in fix.paths if (p.component, p.backend, p.verdict) not in was)
+    if changed:
+        lines.append("  the paths they change:")
+        lines += _table(changed, "    ")
     return lines
 
 
@@ -64,7 +69,7 @@ def render(plan: Plan) -> str:
         head.append(versions)
     if plan.error:
         return "\n".join([*head, f"no plan: {plan.error}"])
-    args = [f"{k}={plan.server_args[k]}" for k in SHOWN_ARGS if k in plan.server_args]
+    args = [f"{k}={plan.server_args[k]}" for k in SHOWN_ARGS if plan.server_args.get(k) is not None]
     head += _wrap("server args: " + " ".join(args), "")
     lines = [*head, "", *_table(plan.paths)]
     lines.append("")
@@ -74,7 +79,7 @@ def render(plan: Plan) -> str:
         failing = ", ".join(f"{p.component} ({p.backend}: {verdict_text(p)})" for p in plan.failing)
         lines += _wrap(f"FAILS: {failing}", "")
     if plan.fix is not None:
-        lines += _fix(plan.fix)
+        lines += _fix(plan.fix, plan.paths)
     for note in plan.notes:
         lines += _wrap(f"note: {note}", "")
     return "\n".join(lines)
