@@ -685,10 +685,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     from bwstack import image, playbooks
     from bwstack.accept import command as accept
+    from bwstack.serveplan import cli as serveplan_cli
 
     playbooks.register(sub)
     image.register(sub)
     accept.register(sub)
+    serveplan_cli.register(sub)
 
     p = sub.add_parser("verify", help="run the node checks (ABI, CUDA, SM120 kernels, features, GPU) on hosts")
     p.add_argument(

@@ -9,6 +9,11 @@ header is ``u16 kind (1 PTX, 2 ELF cubin), u16 version, u32 header_size, u64 siz
 u16 major`` at 0x18 (PTX ISA for PTX, cubin ABI for cubins), ``u32 arch`` (SM number) at 0x1c, ``u64 flags``
 at 0x28 (0x2000 LZ4, 0x8000 zstd, 0x100000 arch-specific ``a``, 0x200000 family ``f``) and ``u64
 decompressed_size`` at 0x38. The payload (``size`` bytes) follows the entry header.
+
+Two ELF sections hold fatbins. ``.nv_fatbin`` holds the images the CUDA driver loads when the library registers
+its modules. ``__nv_relfatbin`` (present in libraries built with ``-rdc``, e.g. libnccl and libnvshmem) holds
+relocatable device code kept for device linking by users of the library: the driver never loads those cubins,
+so they are read and reported (``relocatable=True``) but never count as a kernel that runs on a GPU.
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ _CONTAINER = struct.Struct("<IHHQ")
 _ENTRY = struct.Struct("<HHIQ")  # kind, version, header_size, size
 _ENTRY_VER_ARCH = struct.Struct("<HHI")  # at 0x18: minor, major, arch
 _U64 = struct.Struct("<Q")
-_SECTIONS = (".nv_fatbin", "__nv_relfatbin")
+LOADABLE_SECTION = ".nv_fatbin"
+RELOCATABLE_SECTION = "__nv_relfatbin"
+_SECTIONS = (LOADABLE_SECTION, RELOCATABLE_SECTION)
 
 
 class FatbinError(ValueError):
@@ -52,6 +59,7 @@ class FatbinEntry:
     size: int  # bytes stored in the file
     container: int  # index of the fatbin container (one per CUDA module) the entry belongs to
     offset: int  # file offset of the entry header
+    relocatable: bool = False  # from __nv_relfatbin: device-link input, never loaded by the driver
 
     @property
     def name(self) -> str:
@@ -74,7 +82,7 @@ def entries(path: str | os.PathLike[str]) -> list[FatbinEntry]:
     """
     with open_elf(path) as elf:
         regions = [  # .nv_fatbin (and __nv_relfatbin in -rdc objects); .nvFatBinSegment is not needed
-            (sec["sh_offset"], sec["sh_size"])
+            (sec["sh_offset"], sec["sh_size"], sec.name == RELOCATABLE_SECTION)
             for sec in elf.iter_sections()
             if sec.name in _SECTIONS and sec["sh_type"] != "SHT_NOBITS" and sec["sh_size"]
         ]
@@ -83,12 +91,14 @@ def entries(path: str | os.PathLike[str]) -> list[FatbinEntry]:
         with mmap.mmap(elf.stream.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             found: list[FatbinEntry] = []
             container = 0
-            for start, size in regions:
-                container = _parse_region(mm, start, size, container, found)
+            for start, size, relocatable in regions:
+                container = _parse_region(mm, start, size, container, found, relocatable)
             return found
 
 
-def _parse_region(mm: mmap.mmap, start: int, size: int, container: int, out: list[FatbinEntry]) -> int:
+def _parse_region(
+    mm: mmap.mmap, start: int, size: int, container: int, out: list[FatbinEntry], relocatable: bool = False
+) -> int:
     end = start + size
     if end > len(mm):
         raise FatbinError(f"fatbin section at {start:#x} runs past the end of the file")
@@ -105,13 +115,15 @@ def _parse_region(mm: mmap.mmap, start: int, size: int, container: int, out: lis
         body_end = body + payload
         if body_end > end:
             raise FatbinError(f"fatbin container at {pos:#x} claims {payload} bytes past the section end")
-        _parse_container(mm, body, body_end, container, out)
+        _parse_container(mm, body, body_end, container, out, relocatable)
         container += 1
         pos = (body_end + 7) & ~7
     return container
 
 
-def _parse_container(mm: mmap.mmap, pos: int, end: int, container: int, out: list[FatbinEntry]) -> None:
+def _parse_container(
+    mm: mmap.mmap, pos: int, end: int, container: int, out: list[FatbinEntry], relocatable: bool
+) -> None:
     while pos + 0x40 <= end:
         kind, _version, header_size, size = _ENTRY.unpack_from(mm, pos)
         if kind not in (KIND_PTX, KIND_CUBIN) or header_size < 0x40 or pos + header_size + size > end:
@@ -130,24 +142,28 @@ def _parse_container(mm: mmap.mmap, pos: int, end: int, container: int, out: lis
                 size=size,
                 container=container,
                 offset=pos,
+                relocatable=relocatable,
             )
         )
         pos += header_size + size
 
 
 def summary(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """JSON-serialisable overview: cubin archs with counts, PTX archs with counts and their ISA versions."""
+    """JSON-serialisable overview of the loadable images (cubin archs with counts, PTX archs with counts and
+    their ISA versions) and, apart, the relocatable device code of ``__nv_relfatbin``."""
     found = entries(path)
-    isas = sorted({e.version for e in found if e.kind == "ptx"})
+    loadable = [e for e in found if not e.relocatable]
+    isas = sorted({e.version for e in loadable if e.kind == "ptx"})
     return {
         "path": str(path),
-        "containers": len({e.container for e in found}),
-        "entries": len(found),
-        "compressed": sum(e.compressed for e in found),
-        "cubins": _counts(e for e in found if e.kind == "cubin"),
-        "ptx": list(_counts(e for e in found if e.kind == "ptx")),
-        "ptx_counts": _counts(e for e in found if e.kind == "ptx"),
+        "containers": len({e.container for e in loadable}),
+        "entries": len(loadable),
+        "compressed": sum(e.compressed for e in loadable),
+        "cubins": _counts(e for e in loadable if e.kind == "cubin"),
+        "ptx": list(_counts(e for e in loadable if e.kind == "ptx")),
+        "ptx_counts": _counts(e for e in loadable if e.kind == "ptx"),
         "ptx_isa": [f"{major}.{minor}" for major, minor in isas],
+        "relocatable": _counts(e for e in found if e.relocatable),
     }
 
 
@@ -174,8 +190,11 @@ def runs_on(entry: FatbinEntry, capability: str | tuple[int, int]) -> bool:
 
     cubin sm_XY: same major X, minor >= Y. sm_XYa: exactly X.Y. sm_XYf: the family, same major, minor >= Y
     (sm_120f runs on 12.0 and 12.1). PTX compute_XY: JIT-compiled on any X.Y or newer (major or minor).
-    compute_XYa: exactly X.Y. compute_XYf: same major, minor >= Y.
+    compute_XYa: exactly X.Y. compute_XYf: same major, minor >= Y. Relocatable device code (``__nv_relfatbin``)
+    runs nowhere: the driver does not load it.
     """
+    if entry.relocatable:
+        return False
     major, minor = parse_capability(capability)
     e_major, e_minor = divmod(entry.sm, 10)
     if entry.suffix == "a":
@@ -195,7 +214,14 @@ def covers(found: list[FatbinEntry], capability: str | tuple[int, int] = "12.0")
     """
     cap = parse_capability(capability)
     label = f"{cap[0]}.{cap[1]}"
+    relocatable = [e for e in found if e.relocatable]
+    found = [e for e in found if not e.relocatable]
     if not found:
+        if relocatable:
+            return False, (
+                f"only relocatable device code ({RELOCATABLE_SECTION}, {len(relocatable)} entries for device "
+                f"linking): no kernel image the driver loads on {label}"
+            )
         return False, f"no device code (no fatbin): nothing runs on {label}"
     usable = [e for e in found if runs_on(e, cap)]
     units = {e.container for e in found}

@@ -140,6 +140,20 @@ class Target:
 
 
 @dataclass(frozen=True)
+class ServedModel:
+    """A model a node must serve (`expect.models`): `bwstack verify` plans it with `serve-plan`."""
+
+    model: str  # a reference config name (bwstack serve-plan --list-models) or an absolute path on the node
+    tp: int
+    speculative_algorithm: str | None = None
+    draft: str | None = None  # the draft model, same forms as `model`
+    attention_backend: str | None = None
+    moe_runner_backend: str | None = None
+    quantization: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)  # environment the server runs with
+
+
+@dataclass(frozen=True)
 class Expectations:
     torch_cuda: str
     cudart_major: int
@@ -147,6 +161,7 @@ class Expectations:
     sm120_kernels: tuple[str, ...]
     features: Mapping[str, str]
     known_breaks: Mapping[str, str] = field(default_factory=dict)
+    models: tuple[ServedModel, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -586,8 +601,54 @@ def _target(name: str, node: _Node) -> Target:
     )
 
 
+SERVER_ARG_RE = re.compile(r"^[a-z][a-z0-9_]*$")  # a backend or quantization name as SGLang spells it
+ALGORITHM_RE = re.compile(r"^[A-Z][A-Z0-9_]*$")  # EAGLE3, NEXTN, ...: SGLang validates the name itself
+ENV_NAME_RE = re.compile(r"^[A-Z_][A-Z0-9_]*$")
+
+
+def _model_ref(node: _Node, key: str) -> str:
+    from bwstack.serveplan.references import reference_names  # the built-in configs live with serve-plan
+
+    value = node.str(key)
+    if not value.startswith("/") and value not in reference_names():
+        node.fail(f"{value!r} is neither a reference config ({', '.join(reference_names())}) nor an absolute path", key)
+    return value
+
+
+def _served_model(node: _Node, target: Target) -> ServedModel:
+    node.only({"model", "tp", "speculative_algorithm", "draft", "attention_backend", "moe_runner_backend",
+               "quantization", "env"})  # fmt: skip
+    tp = node.int("tp")
+    if not 1 <= tp <= target.count:
+        node.fail(f"must be between 1 and the target's {target.count} GPUs, got {tp}", "tp")
+    algorithm = (
+        node.str("speculative_algorithm", pattern=ALGORITHM_RE, hint=" (an SGLang algorithm name like EAGLE3)")
+        if node.has("speculative_algorithm")
+        else None
+    )
+    draft = _model_ref(node, "draft") if node.has("draft") else None
+    if draft is not None and algorithm is None:
+        node.fail("a draft model needs speculative_algorithm", "draft")
+    args = {
+        key: node.str(key, pattern=SERVER_ARG_RE, hint=" (a lowercase SGLang name)") if node.has(key) else None
+        for key in ("attention_backend", "moe_runner_backend", "quantization")
+    }
+    env: dict[str, str] = {}
+    if node.has("env"):
+        env_node = node.node("env")
+        for name, value in env_node.items():
+            if not ENV_NAME_RE.match(name):
+                env_node.fail("not an environment variable name", name)
+            if not isinstance(value, str) or not value:
+                env_node.fail(f"expected a non-empty string in quotes, got {_kind(value)}", name)
+            env[name] = value
+    return ServedModel(
+        model=_model_ref(node, "model"), tp=tp, speculative_algorithm=algorithm, draft=draft, env=env, **args
+    )
+
+
 def _expect(node: _Node, target: Target) -> Expectations:
-    node.only({"torch_cuda", "cudart_major", "sm120_kernels", "features", "known_breaks"})
+    node.only({"torch_cuda", "cudart_major", "sm120_kernels", "features", "known_breaks", "models"})
     features_node = node.node("features")
     features: dict[str, str] = {}
     for key, value in features_node.items():
@@ -601,6 +662,7 @@ def _expect(node: _Node, target: Target) -> Expectations:
             if not isinstance(reason, str) or len(reason) < 20:
                 breaks.fail("say why this break is accepted (a sentence, at least 20 characters)", path)
             known[path] = reason
+    models = tuple(_served_model(m, target) for m in node.list_of_nodes("models")) if node.has("models") else ()
     return Expectations(
         torch_cuda=node.str("torch_cuda", pattern=re.compile(r"^\d+\.\d+$"), hint=' CUDA version like "13.0"'),
         cudart_major=node.int("cudart_major"),
@@ -608,6 +670,7 @@ def _expect(node: _Node, target: Target) -> Expectations:
         sm120_kernels=node.str_list("sm120_kernels"),
         features=features,
         known_breaks=known,
+        models=models,
     )
 
 

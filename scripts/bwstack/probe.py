@@ -1,8 +1,8 @@
 """The verify probe: collects facts about a node's env and GPU, statically and by running small things.
 
 Runs on the target host (shipped as a zipapp with pyelftools) with any Python 3.10+; only the standard
-library, pyelftools and bwstack's other probe modules (envinspect, elfscan, fatbin, features). It prints one
-JSON document; the checks in tests/infra judge it against the lock on the controller.
+library, pyelftools and bwstack's other probe modules (envinspect, elfscan, fatbin, features, serveplan's node
+side). It prints one JSON document; the checks in tests/infra judge it against the lock on the controller.
 """
 
 from __future__ import annotations
@@ -301,7 +301,7 @@ def _fatbin_summary(path: Path, capability: str) -> dict:
         "summary": fatbin.summary(path),
         "covers": ok,
         "reason": reason,
-        "has_device_code": bool(found),
+        "has_device_code": any(not e.relocatable for e in found),
     }
 
 
@@ -550,7 +550,9 @@ def runtime_facts(env: Path) -> dict:
 # ------------------------------------------------------------------------------------------------ main
 
 
-def collect(env: Path, capability: str = "12.0", runtime: bool = True, imports: bool = True) -> dict:
+def collect(
+    env: Path, capability: str = "12.0", runtime: bool = True, imports: bool = True, serve_plan: dict | None = None
+) -> dict:
     import time
 
     facts: dict = {"probe_version": PROBE_VERSION, "capability": capability, "timings": {}}
@@ -580,6 +582,12 @@ def collect(env: Path, capability: str = "12.0", runtime: bool = True, imports: 
     lap("fatbin")
     facts["features"] = features.report(sp, capability)
     lap("features")
+    if serve_plan and serve_plan.get("requests"):
+        from bwstack.serveplan import node
+
+        device = node.resolve_device(serve_plan["device"], env)
+        facts["serve_plan"] = node.observe(env, device, serve_plan["requests"], cuda=facts["cuda"]).as_dict()
+        lap("serve-plan")
     if pending is not None:
         facts["imports"] = pending.result()
         lap("imports (rest)")
@@ -596,14 +604,20 @@ def main(argv: list[str] | None = None) -> int:
         from bwstack import preflight
 
         return preflight.main(argv[1:])
+    if argv[:1] == ["serve-plan"]:
+        from bwstack.serveplan import node
+
+        return node.main(argv[1:])
     parser = argparse.ArgumentParser(prog="bwstack-probe")
     parser.add_argument("--env", help="the env to inspect (default: BWSTACK_ML_ENV, /opt/ml-env as root, ~/ml-env)")
     parser.add_argument("--capability", default="12.0")
     parser.add_argument("--no-runtime", action="store_true")
     parser.add_argument("--no-imports", action="store_true")
+    parser.add_argument("--serve-plan", help="JSON job: plan these models with SGLang's own code (bwstack.serveplan)")
     args = parser.parse_args(argv)
     env = Path(args.env) if args.env else default_env()
-    facts = collect(env, args.capability, runtime=not args.no_runtime, imports=not args.no_imports)
+    job = json.loads(args.serve_plan) if args.serve_plan else None
+    facts = collect(env, args.capability, runtime=not args.no_runtime, imports=not args.no_imports, serve_plan=job)
     json.dump(facts, sys.stdout, default=str)
     sys.stdout.write("\n")
     return 0

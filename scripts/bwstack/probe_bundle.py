@@ -12,14 +12,8 @@ import elftools
 
 import bwstack
 
-PROBE_MODULES = (
-    "__init__.py",
-    "probe.py",
-    "preflight.py",
-    "envinspect.py",
-    "elfscan.py",
-    "fatbin.py",
-    "features.py",
+PROBE_MODULES = ("__init__.py", "probe.py", "preflight.py", "envinspect.py", "elfscan.py", "fatbin.py", "features.py")
+PROBE_FILES = (
     # node acceptance's static part (preflight runs it): readers and judge, standard library only
     "accept/__init__.py",
     "accept/machine.py",
@@ -29,7 +23,14 @@ PROBE_MODULES = (
     "accept/kernel.py",
     "accept/collect.py",
     "accept/judge.py",
+    # serve-plan's node side and the data it reads there (the reference model configs)
+    "serveplan/__init__.py",
+    "serveplan/node.py",
+    "serveplan/inenv.py",
+    "serveplan/references.py",
+    "data/__init__.py",
 )
+PROBE_DATA = ("data/models",)
 MAIN = "from bwstack.probe import main\nraise SystemExit(main())\n"
 
 
@@ -41,8 +42,13 @@ def build() -> bytes:
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
         archive.writestr(zipfile.ZipInfo("__main__.py", stamp), MAIN)
         package = Path(bwstack.__file__).parent
-        for name in PROBE_MODULES:
+        for name in (*PROBE_MODULES, *PROBE_FILES):
             archive.writestr(zipfile.ZipInfo(f"bwstack/{name}", stamp), (package / name).read_bytes())
+        for folder in PROBE_DATA:
+            for path in sorted((package / folder).rglob("*")):
+                if path.is_file():
+                    rel = path.relative_to(package).as_posix()
+                    archive.writestr(zipfile.ZipInfo(f"bwstack/{rel}", stamp), path.read_bytes())
         root = Path(elftools.__file__).parent
         for path in sorted(root.rglob("*.py")):
             archive.writestr(zipfile.ZipInfo(f"elftools/{path.relative_to(root)}", stamp), path.read_bytes())

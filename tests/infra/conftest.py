@@ -15,6 +15,7 @@ import pytest
 
 from bwstack import probe_bundle
 from bwstack.lockfile import Lock, Profile, default_lock_path, load_lock
+from bwstack.serveplan.check import request_of
 from bwstack.verify import WAIVED
 
 CHUNK = 60_000  # base64 characters per command: well under Linux's 128 KiB limit for one argument
@@ -68,10 +69,37 @@ def _upload(host, data: bytes, remote: str) -> None:
     host.run_expect([0], f"base64 -d {shlex.quote(tmp)} > {shlex.quote(remote)} && rm -f {shlex.quote(tmp)}")
 
 
-def collect(host, config: pytest.Config, capability: str) -> dict:
+def _remote_probe(host) -> str:
     remote = f"/tmp/bwstack-probe-{probe_bundle.digest()}.pyz"
     if not host.file(remote).exists:
         _upload(host, probe_bundle.build(), remote)
+    return remote
+
+
+def _python(host, env: str | None) -> str:
+    python_cmd = (
+        f"p={shlex.quote(env or '')}/bin/python; "
+        'if [ -n "$p" ] && [ -x "$p" ]; then echo $p; else command -v python3; fi'
+    )
+    return host.check_output(python_cmd) or "python3"
+
+
+def serve_plan_job(profile: Profile, requests: list[dict]) -> dict:
+    """The probe's serve-plan job: the profile's hardware target (simulated unless the node has it) and models."""
+    target = profile.target
+    device = {
+        "mode": "auto",
+        "capability": target.capability,
+        "count": target.count,
+        "memory_mib": target.memory_gb * 1024,
+        "name": target.gpu_name,
+        "interconnect": target.interconnect,
+    }
+    return {"device": device, "requests": requests}
+
+
+def collect(host, config: pytest.Config, capability: str, serve_plan: dict | None = None) -> dict:
+    remote = _remote_probe(host)
     env = config.getoption("--stack-env")
     args = ["--capability", capability]
     if env:
@@ -80,14 +108,23 @@ def collect(host, config: pytest.Config, capability: str) -> dict:
         args.append("--no-runtime")
     if config.getoption("--stack-no-imports"):
         args.append("--no-imports")
-    python_cmd = (
-        f"p={shlex.quote(env or '')}/bin/python; "
-        'if [ -n "$p" ] && [ -x "$p" ]; then echo $p; else command -v python3; fi'
-    )
-    python = host.check_output(python_cmd) or "python3"
+    if serve_plan:
+        args += ["--serve-plan", json.dumps(serve_plan)]
+    python = _python(host, env)
     result = host.run(f"{shlex.quote(python)} {remote} {' '.join(shlex.quote(a) for a in args)}")
     if result.rc != 0:
         raise RuntimeError(f"the bwstack probe failed on {host.backend.get_pytest_id()}: {result.stderr[-2000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def run_serve_plan(host, config: pytest.Config, env_path: str, job: dict) -> dict:
+    """Plan more requests on the node (the fix search plans the model again with candidate flags)."""
+    remote = _remote_probe(host)
+    python = _python(host, config.getoption("--stack-env"))
+    command = f"{shlex.quote(python)} {remote} serve-plan --env {shlex.quote(env_path)} {shlex.quote(json.dumps(job))}"
+    result = host.run(command)
+    if result.rc != 0:
+        raise RuntimeError(f"serve-plan failed on {host.backend.get_pytest_id()}: {result.stderr[-2000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -97,13 +134,28 @@ def facts(host, request: pytest.FixtureRequest, lock: Lock) -> dict:
     if key not in _FACTS:
         capability = request.config.getoption("--stack-capability")
         profile_name = request.config.getoption("--stack-profile")
-        capability = capability or lock.profile(profile_name).expect.target_capability
-        _FACTS[key] = collect(host, request.config, capability)
+        planned = lock.profile(profile_name)
+        capability = capability or planned.expect.target_capability
+        models = [request_of(m, i) for i, m in enumerate(planned.expect.models)]
+        job = serve_plan_job(planned, models) if models else None
+        _FACTS[key] = collect(host, request.config, capability, job)
         out = request.config.getoption("--stack-facts-dir")
         if out:
             Path(out).mkdir(parents=True, exist_ok=True)
             (Path(out) / f"{key.replace('/', '_')}.json").write_text(json.dumps(_FACTS[key], indent=1))
     return _FACTS[key]
+
+
+@pytest.fixture(scope="module")
+def plan_again(host, request: pytest.FixtureRequest, facts: dict):
+    """Plans changed requests on the same node and device as the probe's serve plan (for the fix search)."""
+    observed = facts.get("serve_plan") or {}
+
+    def run(requests: list[dict]) -> dict:
+        job = {"device": observed["device"], "requests": requests}
+        return run_serve_plan(host, request.config, facts["env"]["path"], job)
+
+    return run
 
 
 @pytest.fixture(scope="module")

@@ -158,6 +158,7 @@ def real(tmp_path_factory):
     r.build = json.loads(result.stdout)
     r.run = lambda *args, **kw: bwstack("--lock", str(lock), *args, env={**env, **kw.pop("extra_env", {})}, **kw)
     r.store = Store(Layout(base / "root", base / "ml-env", None, None))
+    r.ml_env = base / "ml-env"
     return r
 
 
@@ -169,5 +170,28 @@ def _write_lock_with_unpatched_twin(path: Path) -> None:
     twin["patches"] = []
     twin["description"] = "TEST: the cu128 profile without the SM120 patch"
     doc["profiles"]["cu128-unpatched"] = twin
-    doc["closures"]["cu128-unpatched"] = doc["closures"]["cu128"]
+    doc["closures"]["cu128-unpatched"] = json.loads(json.dumps(doc["closures"]["cu128"]))  # no YAML aliases
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
+
+
+@pytest.fixture(scope="session")
+def real_flashinfer_064(real, tmp_path_factory):
+    """A hard-link twin of the real cu128 env with FlashInfer 0.6.4 (python and cubin wheels from PyPI, as the
+    cu130 profile pins) in place of 0.6.3: installers replace files, so the real env is untouched."""
+    from realwheels import wheel
+
+    from bwstack.uvtool import run_uv, uv_env
+
+    wheels = [wheel("flashinfer-python", "0.6.4"), wheel("flashinfer-cubin", "0.6.4")]
+    dest = tmp_path_factory.mktemp("fi064") / "env"
+    subprocess.run(["cp", "-al", str(real.store.active().env), str(dest)], check=True)
+    # the twin's own directories only: its files are the real generation's inodes, whose modes it promises
+    subprocess.run(["find", str(dest), "-type", "d", "-exec", "chmod", "u+w", "{}", "+"], check=True)
+    result = run_uv(
+        ["pip", "install", "--python", str(dest / "bin" / "python"), "--no-deps", *map(str, wheels)],
+        env=uv_env({"UV_CACHE_DIR": str(real.store.layout.uv_cache)}),
+        capture=True,
+    )
+    assert result.returncode == 0, result.stderr[-1000:]
+    yield dest
+    shutil.rmtree(dest, ignore_errors=True)

@@ -213,6 +213,70 @@ def test_handmade_layout(handmade_so: Path) -> None:
     json.dumps(info)
 
 
+def _so_with_sections(directory: Path, sections: dict[str, bytes]) -> Path:
+    """A gcc-built .so whose named sections hold the given fatbin bytes (written here byte by byte)."""
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc not found")
+    lines = []
+    for i, (section, blob) in enumerate(sections.items()):
+        c_bytes = ",".join(str(b) for b in blob)
+        lines.append(
+            f'__attribute__((section("{section}"), aligned(8), used))\n'
+            f"static const unsigned char blob{i}[{len(blob)}] = {{{c_bytes}}};\n"
+        )
+    src = directory / "sections.c"
+    src.write_text("".join(lines))
+    lib = src.with_suffix(".so")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    return lib
+
+
+def _cubin(arch: int) -> bytes:
+    return _entry_bytes(2, arch, 0x11, b"\x7fELF" + b"\0" * 12, (1, 8))
+
+
+def test_relocatable_device_code_is_read_but_never_counts_as_a_loadable_kernel(tmp_path: Path) -> None:
+    """libnccl and libnvshmem carry __nv_relfatbin (for device linking) beside .nv_fatbin: a library whose only
+    sm_120 code is relocatable has no kernel the driver can load on 12.0."""
+    lib = _so_with_sections(
+        tmp_path,
+        {
+            ".nv_fatbin": _container(_cubin(90)),
+            "__nv_relfatbin": _container(_cubin(120), _entry_bytes(1, 120, 0x11, b"P" * 8, (8, 7))),
+        },
+    )
+    found = entries(lib)
+    assert [(e.name, e.relocatable) for e in found] == [
+        ("sm_90", False),
+        ("sm_120", True),
+        ("compute_120", True),
+    ]
+    assert not any(runs_on(e, "12.0") for e in found if e.relocatable)
+    assert covers(found, "12.0") == (False, "only sm_90 cubins and no PTX: no kernel image for 12.0")
+    info = summary(lib)
+    assert info["cubins"] == {"sm_90": 1} and info["ptx"] == []
+    assert info["relocatable"] == {"sm_120": 1, "compute_120": 1}
+    assert info["entries"] == 1 and info["containers"] == 1
+
+
+def test_a_library_with_only_relocatable_device_code_says_so(tmp_path: Path) -> None:
+    lib = _so_with_sections(tmp_path, {"__nv_relfatbin": _container(_cubin(120))})
+    ok, reason = covers(entries(lib), "12.0")
+    assert not ok
+    assert reason == (
+        "only relocatable device code (__nv_relfatbin, 1 entries for device linking): "
+        "no kernel image the driver loads on 12.0"
+    )
+
+
+def test_loadable_cubins_beside_relocatable_ones_still_cover(tmp_path: Path) -> None:
+    lib = _so_with_sections(
+        tmp_path,
+        {".nv_fatbin": _container(_cubin(120)), "__nv_relfatbin": _container(_cubin(120), _cubin(90))},
+    )
+    assert covers(entries(lib), "12.0") == (True, "sm_120 cubin ×1")
+
+
 def test_corrupt_fatbin_raises(handmade_so: Path, tmp_path: Path) -> None:
     data = bytearray(handmade_so.read_bytes())
     first = data.index(struct.pack("<I", 0xBA55ED50))

@@ -254,6 +254,76 @@ CASES: list[tuple[str, Callable[[dict], None] | str, str]] = [
         "closures.cu128.env.torch.wheels[0].sha256: expected 64 lowercase hex",
     ),
     (
+        "served-model-unknown-reference",
+        _set("profiles.cu128.expect.models.0.model", "llama-9-70b"),
+        "profiles.cu128.expect.models[0].model: 'llama-9-70b' is neither a reference config",
+    ),
+    (
+        "served-model-relative-path",
+        _set("profiles.cu128.expect.models.0.model", "models/llama"),
+        "expect.models[0].model: 'models/llama' is neither a reference config (",
+    ),
+    (
+        "served-model-empty",
+        _set("profiles.cu128.expect.models.0.model", ""),
+        "expect.models[0].model: expected a non-empty string",
+    ),
+    (
+        "served-model-tp-zero",
+        _set("profiles.cu128.expect.models.0.tp", 0),
+        "expect.models[0].tp: must be between 1 and the target's 8 GPUs, got 0",
+    ),
+    (
+        "served-model-tp-beyond-the-target",
+        _set("profiles.cu130.expect.models.0.tp", 16),
+        "profiles.cu130.expect.models[0].tp: must be between 1 and the target's 8 GPUs, got 16",
+    ),
+    (
+        "served-model-tp-string",
+        _set("profiles.cu128.expect.models.0.tp", "8"),
+        "expect.models[0].tp: expected an integer, got a string ('8')",
+    ),
+    (
+        "served-model-tp-missing",
+        _set("profiles.cu128.expect.models.0.tp", _DELETE),
+        "expect.models[0].tp: required key is missing",
+    ),
+    (
+        "served-model-draft-without-algorithm",
+        _set("profiles.cu128.expect.models.0.speculative_algorithm", _DELETE),
+        "expect.models[0].draft: a draft model needs speculative_algorithm",
+    ),
+    (
+        "served-model-algorithm-lowercase",
+        _set("profiles.cu128.expect.models.0.speculative_algorithm", "eagle3"),
+        "expect.models[0].speculative_algorithm: 'eagle3' is not valid (an SGLang algorithm name like EAGLE3)",
+    ),
+    (
+        "served-model-backend-not-a-name",
+        _set("profiles.cu128.expect.models.0.attention_backend", "Triton!"),
+        "expect.models[0].attention_backend: 'Triton!' is not valid (a lowercase SGLang name)",
+    ),
+    (
+        "served-model-env-number",
+        _set("profiles.cu128.expect.models.0.env", {"SGLANG_ENABLE_JIT_DEEPGEMM": 0}),
+        "expect.models[0].env.SGLANG_ENABLE_JIT_DEEPGEMM: expected a non-empty string in quotes",
+    ),
+    (
+        "served-model-env-name",
+        _set("profiles.cu128.expect.models.0.env", {"enable jit": "0"}),
+        "expect.models[0].env.enable jit: not an environment variable name",
+    ),
+    (
+        "served-model-unknown-key",
+        _set("profiles.cu128.expect.models.0.weights", "/srv/models"),
+        "expect.models[0].weights: unknown key",
+    ),
+    (
+        "served-models-not-a-list",
+        _set("profiles.cu128.expect.models", {"model": "llama-3.1-8b-instruct"}),
+        "profiles.cu128.expect.models: expected a list",
+    ),
+    (
         "requirement-line-invalid",
         _set("closures.cu128.env.sglang.requires.0", "torch ==> 2"),
         "closures.cu128.env.sglang.requires[0]: 'torch ==> 2' is not a valid requirement",
@@ -315,6 +385,29 @@ def test_real_lock_loads_with_both_profiles_and_closures():
     assert lock.default_profile == "cu130" and lock.rollback_profile == "cu128"
     for profile in lock.profiles.values():
         assert profile.closure is not None and len(profile.closure.env) > 150
+
+
+def test_the_real_lock_names_the_seeds_model_for_both_profiles():
+    lock = load_lock(REAL_LOCK)
+    for profile in lock.profiles.values():
+        (served,) = profile.expect.models
+        assert (served.model, served.tp, served.speculative_algorithm, served.draft) == (
+            "llama-3.1-8b-instruct",
+            8,
+            "EAGLE3",
+            "sglang-eagle3-llama-3.1-8b-instruct",
+        )
+
+
+def test_editing_the_served_models_needs_no_relock():
+    spec, closures = _spec_and_closures()
+    before = load_lock(REAL_LOCK).profile("cu128").spec_digest()
+    doc = copy.deepcopy({**spec, "closures": closures})
+    doc["profiles"]["cu128"]["expect"]["models"] = [{"model": "qwen3-30b-a3b", "tp": 4}]
+    from bwstack.lockfile import parse_lock
+
+    after = parse_lock(yaml.safe_dump(doc, sort_keys=False)).profile("cu128")
+    assert after.spec_digest() == before and after.expect.models[0].model == "qwen3-30b-a3b"
 
 
 def test_spec_text_keeps_everything_above_the_generated_marker():

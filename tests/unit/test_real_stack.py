@@ -1,8 +1,9 @@
 """The real cu128 stack from PyPI (slow tier: ~5 GB of wheels, ~10 GB installed, about a minute cold).
 
 Everything here runs on real artifacts: the lock's closure installed with hashes required, the real
-libraries read by the checks, sglang's real files patched and reverted. The env is conftest.py's `real`
-fixture (one build per test session, shared with the other slow tests).
+libraries read by the checks, sglang's real files patched and reverted. The env is conftest's `real` fixture
+(shared with the serve-plan truth tests); BWSTACK_TEST_REAL_ROOT reuses a store between runs (and BWSTACK_CACHE
+shares its downloads with other tiers).
 """
 
 from __future__ import annotations

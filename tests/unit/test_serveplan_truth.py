@@ -1,0 +1,204 @@
+"""serve-plan against the real SGLang 0.5.9 (cu128 env: FlashInfer 0.6.3, sgl-kernel 0.3.21, torch 2.9.1) and a
+twin with FlashInfer 0.6.4: for every reference model on capabilities 12.0, 10.0 and 9.0, the plan is what
+SGLang's own code chooses (each expectation names the line of SGLang 0.5.9 that makes the choice, and the test
+reads that line from the installed file), and the kernel verdicts are what the real files say.
+
+Slow tier: conftest's `real` builds the env from the lock. Each capability is planned once (one interpreter for
+the six models, about a minute)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import needs_py312
+
+from bwstack import envinspect, fatbin
+from bwstack.serveplan import assemble, catalogue, node
+from bwstack.serveplan.records import Verdict
+
+pytestmark = [pytest.mark.slow, pytest.mark.network, needs_py312]
+
+TARGET = dict(count=8, memory_mib=96 * 1024, name="NVIDIA RTX PRO 6000 Blackwell", interconnect="pcie")
+MODELS = {
+    "dense": {"model": "llama-3.1-8b-instruct"},
+    "moe": {"model": "qwen3-30b-a3b"},
+    "mla-fp8": {"model": "deepseek-v3"},
+    "mxfp4": {"model": "gpt-oss-20b"},
+    "nvfp4": {"model": "llama-3.1-8b-instruct-nvfp4"},
+    "eagle3": {
+        "model": "llama-3.1-8b-instruct",
+        "speculative_algorithm": "EAGLE3",
+        "draft": "sglang-eagle3-llama-3.1-8b-instruct",
+    },
+}
+SA = "sglang/srt/server_args.py"
+DEFAULT = "default"
+
+# (capability, model) -> {server arg: (value, the SGLang 0.5.9 line that set it, the code on that line)}.
+# DEFAULT: SGLang left its dataclass default (the plan then cites the field's line).
+CHOICES = {
+    # SM120: neither is_hopper_with_cuda_12_3 nor is_sm100_supported, so MHA falls to flashinfer and MLA to
+    # triton; GPT-OSS's own branch picks triton; is_blackwell_supported() counts 12, so MXFP4 goes to FlashInfer.
+    ("12.0", "dense"): {"attention_backend": ("flashinfer", 1816, "self.attention_backend = (")},
+    ("12.0", "moe"): {"attention_backend": ("flashinfer", 1816, "self.attention_backend = ("),
+                      "moe_runner_backend": ("auto", DEFAULT, "")},
+    ("12.0", "mla-fp8"): {"attention_backend": ("triton", 1833, 'self.attention_backend = "triton"')},
+    ("12.0", "mxfp4"): {"attention_backend": ("triton", 1341, 'self.attention_backend = "triton"'),
+                        "moe_runner_backend": ("flashinfer_mxfp4", 1372, '= "flashinfer_mxfp4"')},
+    ("12.0", "nvfp4"): {"attention_backend": ("flashinfer", 1816, "self.attention_backend = (")},
+    ("12.0", "eagle3"): {"attention_backend": ("flashinfer", 1816, "self.attention_backend = ("),
+                         "speculative_eagle_topk": (4, 2429, "self.speculative_eagle_topk,")},
+    # SM100: trtllm_mha for MHA without topk > 1, trtllm_mla and the TRT-LLM MoE for DeepSeek, fusion on.
+    ("10.0", "dense"): {"attention_backend": ("trtllm_mha", 1812, 'self.attention_backend = "trtllm_mha"')},
+    ("10.0", "moe"): {"attention_backend": ("trtllm_mha", 1812, 'self.attention_backend = "trtllm_mha"'),
+                      "moe_runner_backend": ("flashinfer_trtllm", 1574, '= "flashinfer_trtllm"'),
+                      "enable_flashinfer_allreduce_fusion": (True, 1697, "= True")},
+    ("10.0", "mla-fp8"): {"attention_backend": ("trtllm_mla", 1283, 'self.attention_backend = "trtllm_mla"'),
+                          "quantization": ("fp8", 1301, "self.quantization = quant_method"),
+                          "moe_runner_backend": ("flashinfer_trtllm", 1307, '= "flashinfer_trtllm"')},
+    ("10.0", "mxfp4"): {"attention_backend": ("trtllm_mha", 1337, 'self.attention_backend = "trtllm_mha"'),
+                        "moe_runner_backend": ("flashinfer_mxfp4", 1372, '= "flashinfer_mxfp4"')},
+    ("10.0", "nvfp4"): {"attention_backend": ("trtllm_mha", 1812, 'self.attention_backend = "trtllm_mha"')},
+    ("10.0", "eagle3"): {"attention_backend": ("flashinfer", 1816, "self.attention_backend = (")},  # topk 4 > 1
+    # SM90: FA3 everywhere; GPT-OSS takes triton_kernels.
+    ("9.0", "dense"): {"attention_backend": ("fa3", 1803, 'self.attention_backend = "fa3"')},
+    ("9.0", "moe"): {"attention_backend": ("fa3", 1803, 'self.attention_backend = "fa3"'),
+                     "enable_flashinfer_allreduce_fusion": (True, 1697, "= True")},
+    ("9.0", "mla-fp8"): {"attention_backend": ("fa3", 1822, 'self.attention_backend = "fa3"')},
+    ("9.0", "mxfp4"): {"attention_backend": ("fa3", 1339, 'self.attention_backend = "fa3"'),
+                       "moe_runner_backend": ("triton_kernel", 1395, '= "triton_kernel"')},
+    ("9.0", "nvfp4"): {"attention_backend": ("fa3", 1803, 'self.attention_backend = "fa3"')},
+    ("9.0", "eagle3"): {"attention_backend": ("fa3", 1803, 'self.attention_backend = "fa3"')},
+}  # fmt: skip
+
+# (capability, model) -> {component: (backend, verdict)} for the paths whose kernels do not depend on the host's
+# nvcc (FlashInfer's JIT paths do, and are checked apart).
+PATHS = {
+    ("12.0", "mla-fp8"): {"attention": ("triton", Verdict.RUNS), "dense GEMM": ("deep_gemm", Verdict.MISSING),
+                          "MoE": ("triton", Verdict.RUNS)},
+    ("12.0", "mxfp4"): {"attention": ("triton", Verdict.RUNS), "MoE": ("flashinfer_mxfp4", Verdict.MISSING)},
+    ("12.0", "moe"): {"MoE": ("triton", Verdict.RUNS), "dense GEMM": ("cublas", Verdict.RUNS)},
+    ("12.0", "nvfp4"): {"dense GEMM": ("flashinfer mm_fp4 (cutlass)", Verdict.KNOWN_WRONG)},
+    ("12.0", "eagle3"): {"all-reduce": ("nccl", Verdict.RUNS), "speculative decoding": (
+        "EAGLE3 steps=5 topk=4 draft_tokens=8", Verdict.RUNS)},
+    ("10.0", "dense"): {"attention": ("trtllm_mha", Verdict.RUNS)},
+    ("10.0", "mla-fp8"): {"attention": ("trtllm_mla", Verdict.RUNS), "MoE": ("flashinfer_trtllm", Verdict.RUNS)},
+    ("10.0", "mxfp4"): {"MoE": ("flashinfer_mxfp4", Verdict.RUNS)},
+    ("9.0", "dense"): {"attention": ("fa3", Verdict.RUNS)},
+    ("9.0", "mxfp4"): {"attention": ("fa3", Verdict.RUNS), "MoE": ("triton_kernels", Verdict.RUNS)},
+    ("9.0", "nvfp4"): {"quantization": ("modelopt_fp4", Verdict.MISSING)},
+}  # fmt: skip
+
+
+def _requests() -> list[dict]:
+    return [{"id": key, "tp": 8, **value} for key, value in MODELS.items()]
+
+
+_OBSERVED: dict[tuple[str, str], dict] = {}
+
+
+def observed(env: Path, capability: str) -> dict:
+    key = (str(env), capability)
+    if key not in _OBSERVED:
+        device = node.Device(node.SIMULATED, capability, **TARGET)
+        _OBSERVED[key] = node.observe(env, device, _requests()).as_dict()
+    return _OBSERVED[key]
+
+
+def plan(env: Path, capability: str, model: str):
+    return assemble.plan_for(observed(env, capability), list(MODELS).index(model), catalogue.load())
+
+
+def _line(env: Path, rel: str, number: int) -> str:
+    return (envinspect.site_packages(env) / rel).read_text().splitlines()[number - 1].strip()
+
+
+@pytest.mark.parametrize(("capability", "model"), sorted(CHOICES), ids=[f"{c}-{m}" for c, m in sorted(CHOICES)])
+def test_the_plan_is_what_sglangs_own_code_chooses(real, capability, model):
+    result = plan(real.ml_env, capability, model)
+    assert result.error is None and result.sglang == "0.5.9"
+    for name, (value, line, code) in CHOICES[(capability, model)].items():
+        assert result.server_args[name] == value, name
+        if line == DEFAULT:
+            assert result.decisions[name].endswith("(default)"), name
+            continue
+        assert result.decisions[name].startswith(f"{SA}:{line}: "), (name, result.decisions[name])
+        assert code in _line(real.ml_env, SA, line), (name, line)
+
+
+@pytest.mark.parametrize(("capability", "model"), sorted(PATHS), ids=[f"{c}-{m}" for c, m in sorted(PATHS)])
+def test_the_kernel_verdicts_are_what_the_real_files_say(real, capability, model):
+    rows = {p.component: (p.backend, p.verdict) for p in plan(real.ml_env, capability, model).paths}
+    for component, expected in PATHS[(capability, model)].items():
+        assert rows[component] == expected, component
+
+
+def test_fa3s_verdict_is_sgl_kernels_flash_ops_fatbin_read_directly(real):
+    """SM90 plans FA3 and it runs; the same library has nothing for SM120 (SGLang's own gate refuses it first)."""
+    flash_ops = next((envinspect.site_packages(real.ml_env) / "sgl_kernel").glob("flash_ops*.so"))
+    found = fatbin.entries(flash_ops)
+    assert fatbin.covers(found, "9.0")[0] and not fatbin.covers(found, "12.0")[0]
+    row = next(p for p in plan(real.ml_env, "9.0", "dense").paths if p.component == "attention")
+    assert fatbin.covers(found, "9.0")[1] in row.why
+
+
+def test_sm120s_mxfp4_moe_verdict_counts_flashinfer_cubins_own_architectures(real):
+    sp = envinspect.site_packages(real.ml_env)
+    archs = set()
+    for cubin in (sp / "flashinfer_cubin" / "cubins").rglob("*.cubin"):
+        if "batched_gemm" in str(cubin):
+            flags = int.from_bytes(cubin.read_bytes()[48:52], "little")
+            archs.add((flags >> 8) & 0xFF)
+    assert archs and all(a // 10 == 10 for a in archs)  # SM100 family only
+    row = next(p for p in plan(real.ml_env, "12.0", "mxfp4").paths if p.component == "MoE")
+    assert "none for 12.0" in row.why and "trtllm_fused_moe_kernel_launcher.cu" in row.why
+
+
+def test_deepgemm_verdict_lists_the_kernel_sources_sgl_kernel_ships(real):
+    impls = envinspect.site_packages(real.ml_env) / "deep_gemm" / "include" / "deep_gemm" / "impls"
+    shipped = sorted({p.name.split("_")[0] for p in impls.glob("sm[0-9]*_*.cuh")})
+    assert shipped == ["sm100", "sm90"]  # and smxx_*: architecture-independent helpers
+    row = next(p for p in plan(real.ml_env, "12.0", "mla-fp8").paths if p.component == "dense GEMM")
+    assert "sm_90, sm_100 implementations only" in row.why
+    assert row.catalogue == ("deepgemm-no-sm120",)
+
+
+def test_flashinfer_jit_paths_say_what_this_hosts_nvcc_can_do(real):
+    result = plan(real.ml_env, "12.0", "dense")
+    nvcc = observed(real.ml_env, "12.0")["kernels"]["nvcc"]
+    row = next(p for p in result.paths if p.component == "attention")
+    assert row.verdict is Verdict.JIT and "-gencode=arch=compute_120a,code=sm_120a" in row.why
+    assert row.jit_found is bool(nvcc.get("nvcc") and (nvcc.get("compile") or {}).get("ok"))
+
+
+def test_the_seeds_all_reduce_is_nccl_as_bwstack_features_reports(real):
+    observation = observed(real.ml_env, "12.0")
+    row = next(p for p in plan(real.ml_env, "12.0", "eagle3").paths if p.component == "all-reduce")
+    custom = observation["inenv"]["observations"][list(MODELS).index("eagle3")]["steps"]["all_reduce"]["custom"]
+    assert custom["disabled"] is True and custom["site"].startswith(
+        "sglang/srt/distributed/device_communicators/custom_all_reduce.py:"
+    )
+    rel, line = custom["site"].rsplit(":", 1)
+    # custom_all_reduce.py:146-147 in 0.5.9: `if world_size > 2 and not full_nvlink:` then the warning
+    assert _line(real.ml_env, rel, int(line) - 1) == "if world_size > 2 and not full_nvlink:"
+    assert "PCIe-only GPUs" in custom["why"]
+    state = observation["features"]["torch_symm_mem_allreduce"]["state"]
+    assert f"bwstack features: {state}" in row.why and row.backend == "nccl"
+
+
+def test_flashinfer_064_changes_what_the_catalogue_may_say_about_nvfp4(real_flashinfer_064):
+    result = plan(real_flashinfer_064, "12.0", "nvfp4")
+    assert result.packages["flashinfer-python"] == "0.6.4"
+    row = next(p for p in result.paths if p.component == "dense GEMM")
+    assert row.backend == "flashinfer mm_fp4 (cutlass)" and row.verdict is Verdict.JIT
+    assert any("not catalogued for flashinfer-python 0.6.4" in n for n in result.notes)
+
+
+@pytest.mark.parametrize("capability", ["12.0", "10.0", "9.0"])
+def test_flashinfer_064_makes_the_same_choices(real, real_flashinfer_064, capability):
+    for model in MODELS:
+        before = plan(real.ml_env, capability, model)
+        after = plan(real_flashinfer_064, capability, model)
+        assert before.server_args == after.server_args, model
+        assert [(p.component, p.backend) for p in before.paths] == [(p.component, p.backend) for p in after.paths]
