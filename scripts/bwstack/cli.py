@@ -474,6 +474,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         runtime=not args.no_runtime,
         facts_dir=args.facts_dir,
         skip=_waiver_texts(args.skip),
+        extra_args=["--stack-no-remembered-waivers"] if args.no_remembered_waivers else [],
     )
     print(verify.as_json(reports) if args.json else verify.render(reports))
     return 0 if verify.ok(reports) else 1
@@ -750,6 +751,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-runtime", action="store_true", help="skip the GPU runtime probes")
     p.add_argument("--facts-dir", help="also write each host's probe facts as JSON here")
     _add_waiver_option(p)
+    p.add_argument(
+        "--no-remembered-waivers",
+        action="store_true",
+        help="ignore the waivers the node's store remembers (provision verifies with exactly the ones it is given)",
+    )
     _add_ssh_options(p)
     p.add_argument(
         "--host-name", help="the name the report gives the one target (the verify role passes user@host:port)"

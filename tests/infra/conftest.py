@@ -31,6 +31,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--stack-no-runtime", action="store_true", help="skip the GPU runtime probes")
     group.addoption("--stack-no-imports", action="store_true", help="skip the import checks (static checks only)")
     group.addoption(
+        "--stack-no-remembered-waivers",
+        action="store_true",
+        help="ignore the waivers the node's store remembers (use only --stack-skip)",
+    )
+    group.addoption(
         "--stack-skip", action="append", default=[], metavar="CHECK=REASON",
         help="skip checks whose name contains CHECK, showing REASON (the operator's waiver; listed as SKIP)",
     )  # fmt: skip
@@ -137,6 +142,8 @@ def facts(host, request: pytest.FixtureRequest, lock: Lock) -> dict:
 @pytest.fixture(autouse=True)
 def _remembered_waivers(request: pytest.FixtureRequest, facts: dict) -> None:
     """The waivers the node's store remembers (written at provision time) apply as if given again."""
+    if request.config.getoption("--stack-no-remembered-waivers"):
+        return
     store = facts.get("env", {}).get("store") or {}
     if store.get("waivers_error"):
         pytest.fail(f"the node's remembered waivers are unreadable: {store['waivers_error']}")
