@@ -11,8 +11,9 @@
 #
 # One addition the bwstack profiles force: they pin Python 3.12 and Debian 12 ships 3.11. Like docker/ci-base.sh,
 # this host's pyenv CPython 3.12 is copied in AT THE SAME PATH (a --enable-shared build whose RUNPATH names its
-# own lib directory) and linked as /usr/local/bin/python3.12: it stands in for Ubuntu 24.04's apt python3.12
-# (the lock's system_packages for ubuntu-24.04). It is not python3, and Ansible never uses it.
+# own lib directory), as an operator who installed it with pyenv for root would have it: not on PATH, not
+# python3, so Ansible's interpreter discovery finds Debian's python3 (3.11) and only bwstack's interpreter
+# search (~/.pyenv/versions/3.12.*) finds 3.12. It stands in for Ubuntu 24.04's apt python3.12.
 #
 # Containers start sshd in the foreground with host keys made at start (each container its own); the test
 # adds its client key and reads the host key for its known-hosts file. Root logs in with a key only.
@@ -73,13 +74,16 @@ tar -C / \
     --exclude="$lib/test" --exclude="$lib/idlelib" --exclude="$lib/tkinter" --exclude="$lib/turtledemo" \
     --exclude="$lib/lib-dynload/_tkinter*" --exclude="$lib/site-packages/*" --exclude="$rel/bin/pip*" \
     --exclude="$rel/bin/idle*" --exclude="$rel/bin/python3" --exclude="$rel/bin/python" -cf - "$rel" | tar -C "$root" -xf -
-ln -sf "$PY_HOME/bin/python3.12" "$root/usr/local/bin/python3.12"
 missing="$(chroot "$root" /bin/sh -c "ldd $PY_HOME/bin/python3.12 $PY_HOME/lib/python3.12/lib-dynload/*.so" | grep 'not found' || true)"
 if [ -n "$missing" ]; then
     echo "ci-node: libraries missing in the image: $missing" >&2
     exit 1
 fi
-chroot "$root" /usr/local/bin/python3.12 -c 'import ssl, ctypes, sqlite3, lzma, bz2, zlib, uuid, venv, ensurepip'
+chroot "$root" "$PY_HOME/bin/python3.12" -c 'import ssl, ctypes, sqlite3, lzma, bz2, zlib, uuid, venv, ensurepip'
+case "$PY_HOME" in
+    /root/.pyenv/versions/3.12.*) ;;  # where bwstack's interpreter search looks
+    *) ln -sf "$PY_HOME/bin/python3.12" "$root/usr/local/bin/python3.12" ;;  # elsewhere: on PATH instead
+esac
 # What the node must NOT have (the tests rely on a bare node): pip, venv support, setuptools, packaging, sudo.
 for absent in /usr/bin/pip3 /usr/bin/sudo /usr/lib/python3/dist-packages/setuptools /usr/lib/python3/dist-packages/packaging; do
     if [ -e "$root$absent" ]; then echo "ci-node: $absent is in the image; the node must be bare" >&2; exit 1; fi
@@ -108,7 +112,7 @@ version="$("$PY_HOME/bin/python3.12" -c 'import platform; print(platform.python_
 tar -C "$root" --numeric-owner -cf - . | docker import \
     --change 'LABEL io.bwstack.test-fixture="true"' \
     --change 'LABEL org.opencontainers.image.title="bwstack CI node (TEST FIXTURE)"' \
-    --change "LABEL org.opencontainers.image.description=\"TEST FIXTURE for bwstack's SSH tests: Debian 12 minbase (debootstrap) + openssh-server + python3 + ca-certificates with the site's CA; CPython $version copied from pyenv at $PY_HOME as python3.12 (the profiles' interpreter). Not a serving node.\"" \
+    --change "LABEL org.opencontainers.image.description=\"TEST FIXTURE for bwstack's SSH tests: Debian 12 minbase (debootstrap) + openssh-server + python3 + ca-certificates with the site's CA; CPython $version copied from pyenv at $PY_HOME (the profiles' interpreter, not on PATH). Not a serving node.\"" \
     --change 'LABEL org.opencontainers.image.base.name="debian:bookworm (debootstrap --variant=minbase)"' \
     --change 'ENV LANG=C.UTF-8' \
     --change 'EXPOSE 22' \

@@ -170,7 +170,7 @@ class Runner:
         if rc not in ok_codes:
             lines = [line for line in err.strip().splitlines() if line.strip()]
             errors = [line for line in lines if line.startswith("bwstack: error:")]
-            message = (errors or lines or [f"exit {rc}"])[-1]
+            message = (errors or lines or [f"exit {rc}"])[-1].removeprefix("bwstack: error: ")
             self.module.fail_json(
                 msg=message, rc=rc, cmd=cmd, stderr_lines=lines[-40:], busy=rc == 3, active_before=None
             )
