@@ -239,6 +239,18 @@ def test_no_task_passes_a_space_joined_argument_string():
             assert "ansible.builtin.pip" not in task, f"{path}: {task['name']}: extra_args is one string"
 
 
+def test_services_restart_inside_the_rollout_never_in_a_handler_after_it():
+    """A handler runs after the play's rescue: a unit failing to restart there left the node switched while the
+    play failed. The restart is a task of the role, so provision.yml's block covers it."""
+    assert not list((ANSIBLE / "roles" / "bwstack_mlenv").glob("handlers/*")), "no handlers in bwstack_mlenv"
+    for name in ("main.yml", "rollback.yml"):
+        tasks = yaml.safe_load((ANSIBLE / "roles" / "bwstack_mlenv" / "tasks" / name).read_text())
+        includes = [t for t in tasks if t.get("ansible.builtin.include_tasks") == "services.yml"]
+        assert includes and all("switched" in " ".join(t["when"]) for t in includes), name
+    assert not any("notify" in t for path in (ANSIBLE / "roles").rglob("bwstack_mlenv/tasks/*.yml")
+                   for t in _tasks(yaml.safe_load(path.read_text())))  # fmt: skip
+
+
 def test_tasks_where_index_urls_flow_hide_them():
     """An index URL may carry a token: the module hides its `index` option, the tool role its pip run."""
     module = (ANSIBLE / "library" / "bwstack_node.py").read_text()

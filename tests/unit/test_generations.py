@@ -76,6 +76,15 @@ def test_second_build_of_the_same_closure_changes_nothing(stack):
     assert len(_store(stack).generations()) == 1
 
 
+def test_the_plan_says_whether_a_build_is_needed_and_which_generation_it_reuses(stack):
+    """What the preflight role asks before it requires free disk for a build."""
+    fresh = json.loads(stack.build("fixture-new", "--check", "--json", check=True).stdout)
+    stack.build("fixture-new", check=True)
+    converged = json.loads(stack.build("fixture-new", "--check", "--json", check=True).stdout)
+    assert fresh["build"] is True
+    assert converged["build"] is False and converged["target"] == converged["active"]
+
+
 def test_rollback_returns_to_the_previous_generation_which_reports_its_recorded_versions(stack):
     stack.build("fixture-old", check=True)
     stack.build("fixture-new", check=True)
