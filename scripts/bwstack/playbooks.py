@@ -263,11 +263,10 @@ def parse_targets(spec: str, ssh: hostspec.SshOptions | None = None) -> Playbook
     hosts: dict[str, dict] = {}
     labels: dict[str, str] = {}
     for target in targets:
-        if isinstance(target, hostspec.LocalTarget):
+        if not isinstance(target, hostspec.SshTarget):  # local://
             hosts["localhost"] = {"ansible_connection": "local", "ansible_python_interpreter": local_python()}
             labels["localhost"] = "localhost"
             continue
-        assert isinstance(target, hostspec.SshTarget)
         entry: dict = {"ansible_host": target.host, "ansible_connection": "ssh", **ssh.ansible_vars()}
         if target.user:
             entry["ansible_user"] = target.user
