@@ -39,6 +39,10 @@ options:
     description: For rollback, the generation id or name to switch to.
     type: str
     default: ""
+  rebuild:
+    description: For rollback with nothing to go back to, build the profile from the lock instead of failing.
+    type: bool
+    default: false
   root:
     description: bwstack's store.
     type: path
@@ -61,7 +65,9 @@ options:
     elements: str
     default: []
   index:
-    description: NAME=URL mirrors for the lock's indexes.
+    description:
+      - NAME=URL mirrors for the lock's indexes.
+      - Treated as secret (URLs may carry credentials) - never shown in Ansible's output or logs.
     type: list
     elements: str
     default: []
@@ -89,10 +95,15 @@ active_before:
   description: The active generation before the run (null when none).
   type: str
   returned: always
+switched:
+  description: Whether the active generation changed (services that run from the ml-env need a restart).
+  type: bool
+  returned: always
 """
 
 import json  # noqa: E402 - Ansible modules keep their documentation first
 import os  # noqa: E402
+import re  # noqa: E402
 
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402
 
@@ -133,11 +144,25 @@ def _profile_args(p: dict) -> list[str]:
     return ["--profile", p["profile"]] if p["profile"] else []
 
 
+def secrets_of(index: list[str]) -> set[str]:
+    """What of the index mirrors must never be shown: each entry, its URL, and any user:token in it
+    (bwstack's own messages name the URL, not the NAME=URL entry)."""
+    out: set[str] = set()
+    for item in index:
+        url = item.partition("=")[2]
+        out.update(v for v in (item, url) if v)
+        found = re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://([^/@]+)@", url)
+        if found:
+            out.add(found.group(1))
+    return out
+
+
 class Runner:
     def __init__(self, module: AnsibleModule) -> None:
         self.module = module
         self.p = module.params
         self.base = [self.p["bwstack"], "--lock", self.p["lock"]]
+        module.no_log_values.update(secrets_of(self.p["index"]))
 
     def run(self, *args: str, ok_codes: tuple[int, ...] = (0,)) -> tuple[int, dict, str]:
         cmd = [*self.base, *args]
@@ -145,7 +170,7 @@ class Runner:
         if rc not in ok_codes:
             lines = [line for line in err.strip().splitlines() if line.strip()]
             errors = [line for line in lines if line.startswith("bwstack: error:")]
-            message = (errors or lines or [f"exit {rc}"])[-1]
+            message = (errors or lines or [f"exit {rc}"])[-1].removeprefix("bwstack: error: ")
             self.module.fail_json(
                 msg=message, rc=rc, cmd=cmd, stderr_lines=lines[-40:], busy=rc == 3, active_before=None
             )
@@ -179,6 +204,7 @@ def do_build(r: Runner) -> dict:
         after = plan.get("target") if plan.get("changed") else before
         return {
             "changed": bool(plan.get("changed")),
+            "switched": False,
             "result": plan,
             "active_before": before,
             "msg": "; ".join(plan.get("actions") or []) or "nothing to do",
@@ -187,6 +213,7 @@ def do_build(r: Runner) -> dict:
     _, result, err = r.run("build", *_profile_args(p), *_store_args(p), *_source_args(p), "--json")
     return {
         "changed": bool(result.get("changed")),
+        "switched": result.get("active") != before,
         "result": result,
         "active_before": before,
         "msg": "; ".join(result.get("actions") or []) or "nothing to do",
@@ -202,30 +229,29 @@ def do_rollback(r: Runner) -> dict:
     p = r.p
     rows = r.generations()
     before = _active(rows)
-    if r.module.check_mode:
-        target = None
-        if p["to"]:
-            target = next((g["name"] for g in rows if p["to"] in (g["name"], str(g["id"]))), p["to"])
-        elif p["profile"]:
-            named = [g["name"] for g in rows if g["name"] != before and g.get("profile") == p["profile"]]
-            target = named[-1] if named else f"(a new {p['profile']} generation, built from the lock)"
-        changed = target != before
-        what = target or "the generation active before the last switch"
-        return {
-            "changed": changed,
-            "active_before": before,
-            "msg": f"would switch {p['ml_env']} to {what}" if changed else "already active",
-            "diff": {"before": _state(p["ml_env"], before), "after": _state(p["ml_env"], what if changed else before)},
-        }
-    args = ["rollback", *_store_args(p), *_source_args(p), "--json"]
+    args = ["rollback", *_store_args(p), "--json"]
     if p["to"]:
         args += ["--to", p["to"]]
     elif p["profile"]:
         args += ["--profile", p["profile"]]
-    _, result, err = r.run(*args)
+    if p["rebuild"]:
+        args.append("--rebuild")
+    if r.module.check_mode:
+        _, plan, _ = r.run(*args, "--check")
+        after = plan.get("target") if plan.get("changed") else before
+        return {
+            "changed": bool(plan.get("changed")),
+            "switched": False,
+            "result": plan,
+            "active_before": before,
+            "msg": plan.get("action") or "",
+            "diff": {"before": _state(p["ml_env"], before), "after": _state(p["ml_env"], after)},
+        }
+    _, result, err = r.run(*args, *_source_args(p))
     after = result.get("generation") or result.get("active")
     return {
         "changed": bool(result.get("changed")),
+        "switched": after != before,
         "result": result,
         "active_before": before,
         "msg": f"{p['ml_env']} -> {after}" + (f" ({result['note']})" if result.get("note") else ""),
@@ -251,6 +277,7 @@ def do_cuda(r: Runner) -> dict:
         after = before if rc == 0 else f"{status.get('home')}: CUDA {status.get('profile_version')} (bwstack-pip)\n"
         return {
             "changed": rc != 0,
+            "switched": False,
             "result": status,
             "active_before": None,
             "msg": status.get("note") or "",
@@ -259,6 +286,7 @@ def do_cuda(r: Runner) -> dict:
     _, result, err = r.run("cuda", "install", *_profile_args(p), *prefix, *_store_args(p), *_source_args(p), "--json")
     return {
         "changed": bool(result.get("changed")),
+        "switched": False,
         "result": result,
         "active_before": None,
         "msg": result.get("note") or "",
@@ -278,12 +306,13 @@ def main() -> None:
             "action": {"type": "str", "required": True, "choices": ["build", "rollback", "cuda"]},
             "profile": {"type": "str", "default": ""},
             "to": {"type": "str", "default": ""},
+            "rebuild": {"type": "bool", "default": False},
             "root": {"type": "path", "required": True},
             "ml_env": {"type": "path", "required": True},
             "cuda_link": {"type": "str", "required": True},
             "prefix": {"type": "str", "default": ""},
             "wheelhouse": {"type": "list", "elements": "str", "default": []},
-            "index": {"type": "list", "elements": "str", "default": []},
+            "index": {"type": "list", "elements": "str", "default": [], "no_log": True},
             "offline": {"type": "bool", "default": False},
             "ca_bundle": {"type": "str", "default": ""},
             "allow_unhashed": {"type": "list", "elements": "str", "default": []},
@@ -295,6 +324,7 @@ def main() -> None:
         if module.check_mode:
             module.exit_json(
                 changed=True,
+                switched=False,
                 active_before=None,
                 msg=f"bwstack is not installed on this node yet ({module.params['bwstack']}): "
                 f"a real run would install it and {module.params['action']} "

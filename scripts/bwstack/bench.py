@@ -294,7 +294,8 @@ class Bench:
             sys.executable, "-m", "bwstack", "--lock", str(self.lock_path), "provision", "--profile", "bench",
             "--allow-no-gpu", "--min-free-gb", "5", "--root", str(base / "root"), "--ml-env", str(base / "ml-env"),
             "--cuda-link", "none", "--cuda-method", "none",
-            "--verify-skip", "nvcc=the CUDA 12.x toolkit from PyPI wheels has no nvcc",
+            "--skip", "nvcc=the CUDA 12.x toolkit from PyPI wheels has no nvcc",
+            "-e", json.dumps({"bwstack_tool_wrapper": ""}),  # a scratch store: not this machine's bwstack on PATH
         ]  # fmt: skip
         first = subprocess.run(cmd, capture_output=True, text=True)
         if first.returncode != 0:

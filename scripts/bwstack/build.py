@@ -3,7 +3,8 @@
 build: back up the active env, build the profile's generation aside from the lock (uv, hashes required),
 apply the SM120 patches, verify, seal, commit, switch. A generation already built from the same closure is
 reused, so a converged re-run changes nothing. rollback: verify a generation's manifest and switch to it;
-with nothing to go back to, build the lock's rollback profile.
+with nothing to go back to it refuses, saying so, unless asked to rebuild (then it builds the profile, by
+default the lock's rollback profile, from the lock).
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ def plan_build(lock: Lock, profile: Profile, layout: Layout) -> dict:
     return {
         "changed": bool(actions),
         "actions": actions,
+        "build": built is None,
         "active": active.name if active else None,
         "target": built.name if built else generation_name(store.next_id(), profile.name, digest),
         "closure_digest": digest,
@@ -248,12 +250,51 @@ def _as_dict(item) -> dict:
     return item.as_dict() if hasattr(item, "as_dict") else dict(item)
 
 
+class NothingToRollBackTo(BwstackError):
+    """No generation to switch to, and no rebuild asked for."""
+
+
+def _no_target_message(store: Store, active: Generation | None, profile_name: str | None, rebuild_profile: str) -> str:
+    gens = store.generations()
+    if profile_name is not None:
+        what = f"no {profile_name} generation to roll back to"
+    elif not gens:
+        what = f"nothing to roll back to: {store.layout.generations} holds no generation"
+    elif active is not None and len(gens) == 1:
+        what = f"nothing to roll back to: {active.name} is the only generation (and it is active)"
+    else:
+        what = "nothing to roll back to"
+    return (
+        f"{what}; `--rebuild` builds the {rebuild_profile} profile from the lock instead "
+        "(a full build: tens of GB and minutes), or `--to` names a generation (`bwstack generations`)"
+    )
+
+
+def plan_rollback(
+    layout: Layout, *, to: str | None = None, profile_name: str | None = None, rebuild: bool = False, lock: Lock
+) -> dict:
+    """What `rollback` would do, changing nothing (the Ansible module's check mode asks this)."""
+    store = Store(layout)
+    active = store.active()
+    target = _rollback_target(store, active, to, profile_name)
+    name = profile_name or lock.rollback_profile
+    if target is None:
+        if not rebuild:
+            raise NothingToRollBackTo(_no_target_message(store, active, profile_name, name))
+        plan = plan_build(lock, lock.profile(name), layout)
+        return {**plan, "action": f"rebuild: {'; '.join(plan['actions']) or 'nothing to do'}", "rebuild": True}
+    changed = active is None or active.name != target.name
+    action = f"switch {layout.ml_env} to {target.name}" if changed else f"{target.name} is already active"
+    return {"changed": changed, "active": active.name if active else None, "target": target.name, "action": action}
+
+
 def rollback(
     lock: Lock,
     layout: Layout,
     *,
     to: str | None = None,
     profile_name: str | None = None,
+    rebuild: bool = False,
     opts: BuildOptions | None = None,
     log=print,
 ) -> dict:
@@ -270,7 +311,9 @@ def rollback(
         target = _rollback_target(store, active, to, profile_name)
         if target is None:
             name = profile_name or lock.rollback_profile
-            log(f"no {name} generation to go back to: building it from the lock")
+            if not rebuild:
+                raise NothingToRollBackTo(_no_target_message(store, active, profile_name, name))
+            log(f"no {name} generation to go back to: building it from the lock (--rebuild)")
             result = _build_locked(lock, lock.profile(name), store, opts, log)
             result["rolled_back_by"] = "rebuild from the lock"
             return result

@@ -106,8 +106,6 @@ def _build_options(args: argparse.Namespace):
 
 
 def _apply_ca(args: argparse.Namespace) -> None:
-    import os
-
     if getattr(args, "ca_bundle", None):
         if not Path(args.ca_bundle).is_file():
             raise UsageError(f"--ca-bundle {args.ca_bundle}: no such file")
@@ -150,11 +148,21 @@ def cmd_rollback(args: argparse.Namespace) -> int:
         from bwstack import playbooks
 
         return playbooks.run_rollback(args)
+    for option in ("skip", "ssh_key", "known_hosts", "extra_vars"):
+        if getattr(args, option, None):
+            flag = "-e" if option == "extra_vars" else "--" + option.replace("_", "-")
+            raise UsageError(f"{flag} is for `rollback --target` (the rollback playbook); a rollback here runs no play")
     lock = _lock(args)
     layout = _layout(args)
     _apply_ca(args)
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
-    result = build.rollback(lock, layout, to=args.to, profile_name=args.profile, opts=_build_options(args), log=log)
+    if args.check:
+        plan = build.plan_rollback(layout, to=args.to, profile_name=args.profile, rebuild=args.rebuild, lock=lock)
+        _report(args, plan, plan["action"])
+        return 0
+    result = build.rollback(
+        lock, layout, to=args.to, profile_name=args.profile, rebuild=args.rebuild, opts=_build_options(args), log=log
+    )
     _report(
         args,
         result,
@@ -467,25 +475,71 @@ def cmd_probe_bundle(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from bwstack import verify
+    from bwstack import hostspec, verify
 
-    checks = cliargs.known_checks(verify.infra_dir())
     if args.list_checks:
-        print("\n".join(checks))
+        print("\n".join(verify.known_checks()))
         return 0
-    cliargs.parse_waivers(args.skip or (), checks, "--skip")
-    results = verify.run_checks(
-        args.target,
+    targets = hostspec.parse(args.target, frozenset(hostspec.Scheme))
+    ssh = hostspec.SshOptions.from_args(args.ssh_key, args.known_hosts)
+    if args.host_name is not None:
+        if not args.host_name.strip():
+            raise UsageError("--host-name: empty")
+        if len(targets) != 1 or isinstance(targets[0], hostspec.AnsibleTarget):
+            raise UsageError("--host-name names one host: give exactly one local://, ssh:// or docker:// target")
+    reports = verify.check_hosts(
+        targets,
         lock_path=args.lock,
+        ssh=ssh,
+        host_name=args.host_name,
         profile=args.profile,
         env=args.env,
         capability=args.capability,
         runtime=not args.no_runtime,
         facts_dir=args.facts_dir,
-        skip=args.skip,
+        skip=_waiver_texts(args.skip),
+        extra_args=["--stack-no-remembered-waivers"] if args.no_remembered_waivers else [],
     )
-    print(verify.as_json(results) if args.json else verify.render(results))
-    return 0 if verify.ok(results) else 1
+    print(verify.as_json(reports) if args.json else verify.render(reports))
+    return 0 if verify.ok(reports) else 1
+
+
+def _waiver_texts(items: list[str] | None) -> list[str]:
+    from bwstack import verify
+
+    return [w.text() for w in verify.parse_waivers(items or [])]
+
+
+def cmd_waivers(args: argparse.Namespace) -> int:
+    from bwstack import waivers
+
+    layout = _layout(args)
+    replace = args.set is not None or args.clear
+    changed = False
+    if args.set is not None and args.clear:
+        raise UsageError("--set and --clear: give one (--set replaces the remembered waivers, --clear drops them)")
+    if replace and not layout.root.is_dir():
+        raise UsageError(f"no bwstack store at {layout.root}: provision the node first")
+    try:
+        current = waivers.load(layout.root)
+    except ValueError as exc:
+        if not replace:
+            raise BwstackError(str(exc)) from None
+        current = None  # a damaged file is replaced
+    if replace:
+        wanted = [] if args.clear else [waivers.parse(t) for t in _waiver_texts(args.set)]
+        changed = current != wanted
+        if changed and not args.check:
+            try:
+                waivers.save(layout.root, wanted)
+            except OSError as exc:
+                raise BwstackError(f"could not write {waivers.path_of(layout.root)}: {exc.strerror}") from None
+        current = wanted
+    rows = [{"check": w.check, "reason": w.reason} for w in current or []]
+    payload = {"store": str(layout.root), "waivers": rows, "changed": changed}
+    text = "\n".join(f"{w['check']}: {w['reason']}" for w in rows) or f"no waivers remembered in {layout.root}"
+    _report(args, payload, text)
+    return 0
 
 
 # ------------------------------------------------------------------------------------------------ bench
@@ -514,6 +568,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------ parser
 
 
+def _add_waiver_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--skip",
+        action="append",
+        metavar="CHECK=REASON",
+        help="waive the verify checks whose name contains CHECK, with the reason (the report shows it; repeatable)",
+    )
+
+
+def _add_ssh_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ssh-key", metavar="FILE", help="private key for ssh:// and ansible:// hosts")
+    p.add_argument(
+        "--known-hosts",
+        metavar="FILE",
+        help="known-hosts file for ssh:// and ansible:// hosts (host keys are then checked strictly)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = cliargs.Parser(
         prog="bwstack",
@@ -524,8 +596,8 @@ def build_parser() -> argparse.ArgumentParser:
     # (generations, prune) must work where no lock file is beside them. load_lock says what is wrong.
     parser.add_argument(
         "--lock",
-        default=str(default_lock_path()),
-        help="the stack lock (default: %(default)s)",
+        default=os.environ.get("BWSTACK_LOCK", str(default_lock_path())),
+        help="the stack lock (default: $BWSTACK_LOCK, else %(default)s)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -589,8 +661,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rollback", parents=[node, sources], help="switch back to a verified generation")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--to", help="generation id or name")
-    group.add_argument("--profile", help="the newest generation of this profile (built from the lock if none)")
-    p.add_argument("--target", help="run on remote hosts through the rollback playbook (local://, ssh://, ansible://)")
+    group.add_argument("--profile", help="the newest generation of this profile")
+    p.add_argument(
+        "--rebuild",
+        action="store_true",
+        help="with nothing to go back to, build the profile (default: the lock's rollback profile) from the lock",
+    )
+    p.add_argument("--check", action="store_true", help="say what the rollback would do; change nothing")
+    p.add_argument(
+        "--target",
+        help="roll back these hosts through the rollback playbook, then verify them: local://, "
+        "ssh://[user@]host[:port][,...] or ansible://INVENTORY[?limit=...&group=...]",
+    )
     p.set_defaults(func=cmd_rollback)
 
     p = sub.add_parser("backup", parents=[node], help="capture the active env as a verified generation")
@@ -696,23 +778,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--target",
         default="local://",
-        help="testinfra host spec(s): local://, docker://NAME, "
-        "ssh://[user@]HOST, ansible://GROUP?ansible_inventory=FILE (default: local://)",
+        help="local:// (default), ssh://[user@]host[:port][,...], ansible://INVENTORY[?limit=...&group=...] "
+        "or docker://CONTAINER",
     )
     p.add_argument("--profile", help="profile to check against (default: the env's own)")
     p.add_argument("--env", help="env path on the targets (default: their ml-env)")
     p.add_argument("--capability", type=cliargs.capability, help="target GPU capability (default: the profile's)")
     p.add_argument("--no-runtime", action="store_true", help="skip the GPU runtime probes")
     p.add_argument("--facts-dir", help="also write each host's probe facts as JSON here")
+    _add_waiver_option(p)
     p.add_argument(
-        "--skip",
-        action="append",
-        metavar="CHECK=REASON",
-        help="waive checks whose name contains CHECK, with the reason shown in the report",
+        "--no-remembered-waivers",
+        action="store_true",
+        help="ignore the waivers the node's store remembers (provision verifies with exactly the ones it is given)",
+    )
+    _add_ssh_options(p)
+    p.add_argument(
+        "--host-name", help="the name the report gives the one target (the verify role passes user@host:port)"
     )
     p.add_argument("--list-checks", action="store_true", help="name every check (what --skip matches against)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("waivers", parents=[node], help="the verify waivers this node remembers (set at provision time)")
+    p.add_argument("--set", action="append", metavar="CHECK=REASON", help="replace the remembered waivers (repeatable)")
+    p.add_argument("--clear", action="store_true", help="forget every remembered waiver")
+    p.add_argument(
+        "--check", action="store_true", help="with --set/--clear: say whether it would change; change nothing"
+    )
+    p.set_defaults(func=cmd_waivers)
 
     return parser
 
@@ -721,6 +815,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        if not args.lock.strip():
+            raise UsageError("--lock (or BWSTACK_LOCK) is empty: give a lock file")
         cliargs.reject_empty(parser, args)
         return int(args.func(args))
     except BwstackError as exc:

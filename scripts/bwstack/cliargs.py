@@ -7,12 +7,8 @@ an error wherever it is given, never a silent default.
 from __future__ import annotations
 
 import argparse
-import ast
 import re
 import sys
-from collections.abc import Iterable
-from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 
 from bwstack.errors import UsageError
@@ -90,50 +86,3 @@ def _option_names(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
             elif action.dest not in names:
                 names[action.dest] = action.option_strings[-1] if action.option_strings else action.dest
     return names
-
-
-# ------------------------------------------------------------------------------------------------ waivers
-
-
-@dataclass(frozen=True)
-class Waiver:
-    """An operator's decision to waive the checks whose name contains `check`, with the reason shown."""
-
-    check: str
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{self.check}={self.reason}"
-
-
-@cache
-def known_checks(infra_dir: Path) -> tuple[str, ...]:
-    """The node checks' names (tests/infra test functions without `test_`), read from their source."""
-    names = []
-    for path in sorted(infra_dir.glob("test_*.py")):
-        tree = ast.parse(path.read_text())
-        names += [
-            n.name.removeprefix("test_")
-            for n in tree.body
-            if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")
-        ]
-    return tuple(names)
-
-
-def parse_waivers(items: Iterable[str], checks: Iterable[str], option: str = "--skip") -> list[Waiver]:
-    """CHECK=REASON items: CHECK must name (part of) a known check, REASON must say something."""
-    checks = tuple(checks)
-    waivers = []
-    for item in items:
-        name, sep, reason = item.partition("=")
-        name, reason = name.strip(), reason.strip()
-        if not sep or not name:
-            raise UsageError(f"{option} {item!r}: expected CHECK=REASON (the reason is shown in the report)")
-        if not reason:
-            raise UsageError(f"{option} {name}: a waiver needs a reason after '=' (it is shown in the report)")
-        if not any(name in check for check in checks):
-            raise UsageError(
-                f"{option} {name}: no check's name contains {name!r} (`bwstack verify --list-checks` names them)"
-            )
-        waivers.append(Waiver(name, reason))
-    return waivers

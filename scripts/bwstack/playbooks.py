@@ -4,8 +4,10 @@ Also `bwstack controller-facts`, which the roles run on the controller: what the
 profile's preflight requirements, its CUDA toolkit, the lock's system packages) plus, on request, the probe
 zipapp and a bwstack wheel to ship to nodes. The roles never parse the lock in Jinja; they read this JSON.
 
-Targets: `local://` (this machine, connection=local), `ssh://[user@]host[:port]` (several, comma-separated:
-a temporary inventory is written), or `ansible://INVENTORY[?limit=PATTERN&group=GROUP]` (yours).
+Targets (bwstack.hostspec): `local://` (this machine, connection=local), `ssh://[user@]host[:port]` (several,
+comma-separated: a temporary inventory is written), or `ansible://INVENTORY[?limit=PATTERN&group=GROUP]` (yours);
+`--ssh-key` and `--known-hosts` become the hosts' SSH settings. The run streams Ansible's output and ends, on
+failure, with one line naming each failed host by its label and its last error (or that it was unreachable).
 """
 
 from __future__ import annotations
@@ -14,13 +16,17 @@ import argparse
 import hashlib
 import json
 import os
+import re
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import parse_qs, urlsplit
 
+from bwstack import hostspec
 from bwstack.errors import BwstackError, UsageError
 
 GROUP = "bwstack_nodes"
@@ -232,54 +238,46 @@ def local_python() -> str:
     return "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
 
 
-def parse_targets(spec: str) -> tuple[list[str], dict, dict | None]:
-    """-> (ansible-playbook arguments, extra vars, inventory to write or None)."""
-    hosts: dict[str, dict] = {}
-    args: list[str] = []
-    extra: dict = {}
-    for item in (part.strip() for part in spec.split(",")):
-        if not item:
-            continue
-        parts = urlsplit(item)
-        scheme = parts.scheme or ("local" if item == "local" else "")
-        if scheme == "local":
-            hosts["localhost"] = {"ansible_connection": "local", "ansible_python_interpreter": local_python()}
-        elif scheme == "ssh":
-            if not parts.hostname:
-                raise UsageError(f"--target {item}: expected ssh://[user@]host[:port]")
-            entry: dict = {"ansible_host": parts.hostname, "ansible_connection": "ssh"}
-            if parts.username:
-                entry["ansible_user"] = parts.username
-            if parts.username and parts.username != "root":
-                entry["ansible_become"] = True  # the roles write /opt, /usr/local and apt state
-            if parts.port:
-                entry["ansible_port"] = parts.port
-            hosts[parts.hostname if not parts.port else f"{parts.hostname}_{parts.port}"] = entry
-        elif scheme == "ansible":
-            inventory = (parts.netloc + parts.path) or ""
-            if not inventory:
-                raise UsageError(f"--target {item}: expected ansible://PATH_TO_INVENTORY[?limit=...&group=...]")
-            if not Path(inventory).exists():
-                raise UsageError(f"--target {item}: no inventory at {inventory}")
-            query = parse_qs(parts.query)
-            unknown = set(query) - {"limit", "group"}
-            if unknown:
-                raise UsageError(f"--target {item}: unknown option(s) {', '.join(sorted(unknown))} (limit, group)")
-            args += ["-i", inventory]
-            if "limit" in query:
-                args += ["--limit", query["limit"][-1]]
-            if "group" in query:
-                extra["bwstack_hosts"] = query["group"][-1]
-        else:
-            raise UsageError(
-                f"--target {item}: unknown target (use local://, ssh://[user@]host[:port] or ansible://INVENTORY)"
-            )
-    if hosts and args:
+@dataclass(frozen=True)
+class PlaybookTargets:
+    """What `--target` turns into for ansible-playbook: its arguments, extra vars, and an inventory to write
+    (local:// and ssh:// targets) with the label of each inventory host (for the one-line summary)."""
+
+    args: list[str]
+    extra: dict
+    inventory: dict | None
+    labels: dict[str, str]
+
+
+def parse_targets(spec: str, ssh: hostspec.SshOptions | None = None) -> PlaybookTargets:
+    ssh = ssh or hostspec.SshOptions()
+    targets = hostspec.parse(spec, frozenset({hostspec.Scheme.LOCAL, hostspec.Scheme.SSH, hostspec.Scheme.ANSIBLE}))
+    ansible = [t for t in targets if isinstance(t, hostspec.AnsibleTarget)]
+    if ansible and len(targets) > 1:
         raise UsageError("--target: combine ansible:// with nothing else (put those hosts in your inventory)")
-    if not hosts and not args:
-        raise UsageError("--target: no target given")
-    inventory = {"all": {"children": {GROUP: {"hosts": hosts}}}} if hosts else None
-    return args, extra, inventory
+    if ansible:
+        target = ansible[0]
+        args = ["-i", str(target.inventory)] + (["--limit", target.limit] if target.limit else [])
+        extra = {**ssh.ansible_vars(), **({"bwstack_hosts": target.group} if target.group else {})}
+        return PlaybookTargets(args, extra, None, {})
+    hosts: dict[str, dict] = {}
+    labels: dict[str, str] = {}
+    for target in targets:
+        if not isinstance(target, hostspec.SshTarget):  # local://
+            hosts["localhost"] = {"ansible_connection": "local", "ansible_python_interpreter": local_python()}
+            labels["localhost"] = "localhost"
+            continue
+        entry: dict = {"ansible_host": target.host, "ansible_connection": "ssh", **ssh.ansible_vars()}
+        if target.user:
+            entry["ansible_user"] = target.user
+        if target.user and target.user != "root":
+            entry["ansible_become"] = True  # the roles write /opt, /usr/local and apt state
+        if target.port:
+            entry["ansible_port"] = target.port
+        hosts[target.inventory_name] = entry
+        labels[target.inventory_name] = target.label
+    inventory = {"all": {"children": {GROUP: {"hosts": hosts}}}}
+    return PlaybookTargets([], {}, inventory, labels)
 
 
 def _common_vars(args: argparse.Namespace) -> dict:
@@ -291,55 +289,137 @@ def _common_vars(args: argparse.Namespace) -> dict:
         "bwstack_cuda_link": getattr(args, "cuda_link", None),
         "bwstack_ca_bundle": getattr(args, "ca_bundle", None),
     }
+    for key, value in pairs.items():
+        if value is not None and not value.strip():
+            raise UsageError(f"--{key.removeprefix('bwstack_').replace('_', '-')}: empty")
     out.update({k: v for k, v in pairs.items() if v})
     lists = {
         "bwstack_wheelhouse": getattr(args, "wheelhouse", None),
         "bwstack_index": getattr(args, "index", None),
         "bwstack_allow_unhashed": getattr(args, "allow_unhashed", None),
-        "bwstack_verify_skip": getattr(args, "verify_skip", None),
     }
     out.update({k: list(v) for k, v in lists.items() if v})
-    for item in out.get("bwstack_verify_skip", []):
-        if "=" not in item or not item.partition("=")[2]:
-            raise UsageError(f"--verify-skip {item!r}: expected CHECK=REASON")
+    skip = getattr(args, "skip", None)
+    if skip:
+        from bwstack.verify import parse_waivers
+
+        out["bwstack_verify_skip"] = [w.text() for w in parse_waivers(skip)]
     if getattr(args, "offline", False):
         out["bwstack_offline"] = True
     return out
 
 
+_FATAL = re.compile(r"^fatal: \[(?P<host>[^\]]+)\]: (?P<kind>UNREACHABLE|FAILED)! => (?P<body>.*)$")
+_CREDENTIALS = re.compile(r"(://)[^/@\s]+@")
+
+
+def redact(text: str) -> str:
+    """user:token@ in URLs (index URLs may carry credentials) -> ***@."""
+    return _CREDENTIALS.sub(r"\1***@", text)
+
+
+@dataclass
+class _Outcome:
+    """What the run said about each host that failed: its last fatal message, and whether it was unreachable."""
+
+    failed: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    def read(self, line: str) -> None:
+        found = _FATAL.match(line.strip())
+        if not found:
+            return
+        body = found["body"]
+        try:
+            message = str(json.loads(body).get("msg") or body)
+        except (ValueError, AttributeError):
+            message = body
+        message = " ".join(message.removeprefix("Task failed: ").split())
+        self.failed[found["host"]] = (found["kind"], message)
+
+    def summary(self, labels: dict[str, str]) -> str:
+        parts = []
+        for host, (kind, message) in self.failed.items():
+            prefix = "unreachable: " if kind == "UNREACHABLE" else ""
+            parts.append(f"{labels.get(host, host)}: {prefix}{message[:400]}")
+        return "; ".join(parts)
+
+
+def _ansible_env(directory: Path, tmp: Path) -> dict:
+    """ansible-playbook's environment: bwstack's ansible.cfg, and its local temporary files inside our own
+    temporary directory (removed whatever way the run ends)."""
+    local_tmp = tmp / "ansible-local"
+    local_tmp.mkdir()
+    return {**os.environ, "ANSIBLE_CONFIG": str(directory / "ansible.cfg"), "ANSIBLE_LOCAL_TEMP": str(local_tmp)}
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _raise_terminated(signum, _frame) -> None:
+    raise _Terminated(signum)
+
+
 def run_playbook(playbook: str, args: argparse.Namespace, extra_vars: dict) -> int:
     directory = ansible_dir()
     binary = ansible_playbook()
-    target_args, target_vars, inventory = parse_targets(args.target)
-    with tempfile.TemporaryDirectory(prefix="bwstack-ansible-") as tmp:
-        cmd = [binary, str(directory / playbook), *target_args]
-        if inventory is not None:
-            inv = Path(tmp) / "inventory.json"
-            inv.write_text(json.dumps(inventory, indent=2))
-            cmd += ["-i", str(inv)]
-        variables = {**_common_vars(args), **target_vars, **extra_vars}
-        vars_file = Path(tmp) / "extra-vars.json"
-        vars_file.write_text(json.dumps(variables, indent=2))
-        cmd += ["-e", f"@{vars_file}"]
-        for item in getattr(args, "extra_vars", None) or []:
-            cmd += ["-e", item]
-        if getattr(args, "check", False):
-            cmd.append("--check")
-        if getattr(args, "diff", False):
-            cmd.append("--diff")
-        env = {**os.environ, "ANSIBLE_CONFIG": str(directory / "ansible.cfg")}
-        print(f"bwstack: running {' '.join(cmd)}", file=sys.stderr, flush=True)
-        try:
-            code = subprocess.run(cmd, env=env, cwd=directory).returncode
-        except KeyboardInterrupt:
-            print("bwstack: interrupted", file=sys.stderr)
-            return 130
+    ssh = hostspec.SshOptions.from_args(getattr(args, "ssh_key", None), getattr(args, "known_hosts", None))
+    targets = parse_targets(args.target, ssh)
+    variables = {**_common_vars(args), **targets.extra, **extra_vars}
+    outcome = _Outcome()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        with tempfile.TemporaryDirectory(prefix="bwstack-ansible-") as tmp:
+            cmd = [binary, str(directory / playbook), *targets.args]
+            if targets.inventory is not None:
+                inv = Path(tmp) / "inventory.json"
+                inv.write_text(json.dumps(targets.inventory, indent=2))
+                cmd += ["-i", str(inv)]
+            vars_file = Path(tmp) / "extra-vars.json"
+            vars_file.write_text(json.dumps(variables, indent=2))
+            cmd += ["-e", f"@{vars_file}"]
+            for item in getattr(args, "extra_vars", None) or []:
+                cmd += ["-e", item]
+            if getattr(args, "check", False):
+                cmd.append("--check")
+            if getattr(args, "diff", False):
+                cmd.append("--diff")
+            print(f"bwstack: running {redact(shlex.join(cmd))}", file=sys.stderr, flush=True)
+            code = _stream(cmd, _ansible_env(directory, Path(tmp)), directory, outcome)
+    except KeyboardInterrupt:
+        print("bwstack: interrupted", file=sys.stderr)
+        return 130
+    except _Terminated:
+        print("bwstack: terminated", file=sys.stderr)
+        return 143
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if code != 0:
-        print(
-            f"bwstack: error: ansible-playbook {playbook} failed (exit {code}); see the output above", file=sys.stderr
-        )
+        where = outcome.summary(targets.labels)
+        detail = f": {where}" if where else f" (exit {code}); see the output above"
+        print(f"bwstack: error: {playbook} failed{detail}", file=sys.stderr)
         return 1
     return 0
+
+
+def _stream(cmd: list[str], env: dict, cwd: Path, outcome: _Outcome) -> int:
+    """Run ansible-playbook, passing its output through as it comes and reading each host's fatal lines."""
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            outcome.read(line)
+        return proc.wait()
+    except BaseException:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise
 
 
 def cmd_provision(args: argparse.Namespace) -> int:
@@ -361,6 +441,8 @@ def run_rollback(args: argparse.Namespace) -> int:
         extra["bwstack_mlenv_rollback_to"] = args.to
     if args.profile:
         extra["bwstack_mlenv_rollback_profile"] = args.profile
+    if args.rebuild:
+        extra["bwstack_mlenv_rollback_rebuild"] = True
     return run_playbook("rollback.yml", args, extra)
 
 
@@ -369,6 +451,8 @@ def run_rollback(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `provision` and `controller-facts`; give `rollback` the options its --target mode needs."""
+    from bwstack.cli import _add_ssh_options, _add_waiver_option
+
     p = sub.add_parser(
         "provision",
         help="run the provision playbook (preflight, CUDA, env, verify) on local://, ssh:// or ansible:// targets",
@@ -391,13 +475,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="accept CPU-only targets (containers, CI); said loudly in the output",
     )
-    p.add_argument("--min-free-gb", type=float, help="free disk the preflight requires at the store (default 25)")
+    p.add_argument(
+        "--min-free-gb", type=float, help="free disk the preflight requires at the store for a build (default 25)"
+    )
     _add_store_and_sources(p)
+    _add_waiver_option(p)
+    _add_playbook_options(p)
+    _add_ssh_options(p)
     p.set_defaults(func=cmd_provision)
 
     rollback = sub.choices.get("rollback")
     if rollback is not None:
+        _add_waiver_option(rollback)
         _add_playbook_options(rollback)
+        _add_ssh_options(rollback)
 
     p = sub.add_parser("controller-facts", help="(for the Ansible roles) what the lock says, as JSON")
     p.add_argument("--probe-dir", help="also write the probe zipapp into this directory")
@@ -407,12 +498,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_playbook_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--verify-skip",
-        action="append",
-        metavar="CHECK=REASON",
-        help="waive a verify check on the targets, with the reason (shown in the report)",
-    )
     p.add_argument(
         "-e", "--extra-vars", action="append", metavar="VARS", help="passed to ansible-playbook -e (repeatable)"
     )
@@ -432,4 +517,3 @@ def _add_store_and_sources(p: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="install NAME although the lock has no sha256 for it (recorded as unverified)",
     )
-    _add_playbook_options(p)

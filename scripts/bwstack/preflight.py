@@ -132,8 +132,10 @@ def check(
     allow_no_gpu: bool = False,
     allow_other_gpu: bool = False,
     machine: Machine | None = None,
+    reuse: str | None = None,
 ) -> Report:
-    """`machine`: where the node's driver and PCIe facts are read (default: this machine)."""
+    """`machine`: where the node's driver and PCIe facts are read (default: this machine). `reuse`: bwstack's
+    plan says this run builds nothing (it reuses that generation), so the disk needs no margin for a build."""
     report = Report(req["profile"])
     want = req["target_capability"]
     gpus, driver, why = _gpus()
@@ -181,14 +183,19 @@ def check(
     while not path.exists():
         path = path.parent
     free = shutil.disk_usage(path).free / 2**30
-    report.checks.append(
-        Check(
-            "disk",
-            free >= min_free_gb,
-            f"{free:.1f} GiB free at {path} (need {min_free_gb:.0f} GiB for an env, its wheels and the uv cache)",
-            "" if free >= min_free_gb else "free space, prune generations, or choose another root",
+    if reuse:
+        report.checks.append(
+            Check("disk", True, f"{free:.1f} GiB free at {path}; no build needed (the plan reuses {reuse})")
         )
-    )
+    else:
+        report.checks.append(
+            Check(
+                "disk",
+                free >= min_free_gb,
+                f"{free:.1f} GiB free at {path} (need {min_free_gb:.0f} GiB for an env, its wheels and the uv cache)",
+                "" if free >= min_free_gb else "free space, prune generations, or choose another root",
+            )
+        )
     os_name = _os_name()
     libc = platform.libc_ver()[1]
     glibc_ok = version_tuple(libc) >= (2, req["glibc_minor"])
@@ -251,6 +258,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--min-free-gb", type=float, default=25.0)
     parser.add_argument("--allow-no-gpu", action="store_true")
     parser.add_argument("--allow-other-gpu", action="store_true")
+    parser.add_argument("--reuse", help="the generation bwstack's plan reuses (no build: no disk margin needed)")
     args = parser.parse_args(argv)
     try:
         requirements = json.loads(args.requirements)
@@ -264,6 +272,7 @@ def main(argv: list[str]) -> int:
         min_free_gb=args.min_free_gb,
         allow_no_gpu=args.allow_no_gpu,
         allow_other_gpu=args.allow_other_gpu,
+        reuse=args.reuse or None,
     )
     print(json.dumps(report.as_dict()))
     return 0 if report.ok else 4

@@ -21,7 +21,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bwstack import elfscan, envinspect, fatbin, features
+from bwstack import elfscan, envinspect, fatbin, features, waivers
 
 PROBE_VERSION = 1
 DRIVER_LIBS = {"libcuda.so.1", "libnvidia-ml.so.1"}
@@ -131,7 +131,20 @@ def env_facts(env: Path) -> dict:
             "verification": data.get("verification", {}).get("status"),
         }
     facts["torch_version_py"] = _torch_version_py(sp)
+    facts["store"] = store_facts(env)
     return facts
+
+
+def store_facts(env: Path) -> dict:
+    """The store the env belongs to and the waivers it remembers (what provisioning was told to waive)."""
+    root = waivers.store_of_env(env)
+    if root is None:
+        return {"root": None, "waivers": []}
+    try:
+        remembered = waivers.load(root)
+    except ValueError as exc:
+        return {"root": str(root), "waivers": [], "waivers_error": str(exc)}
+    return {"root": str(root), "waivers": [{"check": w.check, "reason": w.reason} for w in remembered]}
 
 
 # ------------------------------------------------------------------------------------------------ CUDA

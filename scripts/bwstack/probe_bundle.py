@@ -12,7 +12,16 @@ import elftools
 
 import bwstack
 
-PROBE_MODULES = ("__init__.py", "probe.py", "preflight.py", "envinspect.py", "elfscan.py", "fatbin.py", "features.py")
+PROBE_MODULES = (
+    "__init__.py",
+    "probe.py",
+    "preflight.py",
+    "envinspect.py",
+    "elfscan.py",
+    "fatbin.py",
+    "features.py",
+    "waivers.py",
+)
 PROBE_FILES = (
     # node acceptance's static part (preflight runs it): readers and judge, standard library only
     "accept/__init__.py",

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from bwstack import probe_bundle
+from bwstack import probe_bundle, waivers
 from bwstack.lockfile import Lock, Profile, default_lock_path, load_lock
 from bwstack.serveplan.check import request_of
-from bwstack.verify import WAIVED
+from bwstack.verify import HostUnavailable
 
 CHUNK = 60_000  # base64 characters per command: well under Linux's 128 KiB limit for one argument
-_FACTS: dict[str, dict] = {}
+_FACTS: dict[str, dict | HostUnavailable] = {}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -32,6 +32,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--stack-no-runtime", action="store_true", help="skip the GPU runtime probes")
     group.addoption("--stack-no-imports", action="store_true", help="skip the import checks (static checks only)")
     group.addoption(
+        "--stack-no-remembered-waivers",
+        action="store_true",
+        help="ignore the waivers the node's store remembers (use only --stack-skip)",
+    )
+    group.addoption(
         "--stack-skip", action="append", default=[], metavar="CHECK=REASON",
         help="skip checks whose name contains CHECK, showing REASON (the operator's waiver; listed as SKIP)",
     )  # fmt: skip
@@ -43,16 +48,14 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    waivers = []
-    for item in config.getoption("--stack-skip"):
-        name, sep, reason = item.partition("=")
-        if not sep or not name or not reason:
-            raise pytest.UsageError(f"--stack-skip {item!r}: expected CHECK=REASON")
-        waivers.append((name, reason))
+    try:
+        given = waivers.parse_all(config.getoption("--stack-skip"))
+    except ValueError as exc:
+        raise pytest.UsageError(f"--stack-skip {exc}") from None
     for item in items:
-        for name, reason in waivers:
-            if name in item.name:
-                item.add_marker(pytest.mark.skip(reason=f"{WAIVED}: {reason}"))
+        waiver = waivers.matching(given, item.name)
+        if waiver is not None:
+            item.add_marker(pytest.mark.skip(reason=waiver.message()))
 
 
 @pytest.fixture(scope="session")
@@ -60,18 +63,34 @@ def lock(request: pytest.FixtureRequest) -> Lock:
     return load_lock(request.config.getoption("--stack-lock") or default_lock_path())
 
 
+def _run(host, command: str, expect_ok: bool = True):
+    """host.run, with the transport's failures (testinfra raises the raw CommandResult when ssh exits 255)
+    turned into one line naming the host."""
+    name = host.backend.get_pytest_id()
+    try:
+        result = host.run(command)
+    except Exception as exc:
+        got = exc.args[0] if exc.args else exc
+        lines = [line for line in (getattr(got, "stderr", "") or str(got)).strip().splitlines() if line.strip()]
+        raise HostUnavailable(f"lost the connection to {name}: {lines[-1] if lines else type(exc).__name__}") from None
+    if expect_ok and result.rc != 0:
+        lines = [line for line in (result.stderr or result.stdout).strip().splitlines() if line.strip()]
+        raise HostUnavailable(f"{command.split()[0]} failed on {name}: {lines[-1] if lines else f'exit {result.rc}'}")
+    return result
+
+
 def _upload(host, data: bytes, remote: str) -> None:
     encoded = base64.b64encode(data).decode()
     tmp = f"{remote}.b64.tmp"
-    host.run_expect([0], f"rm -f {shlex.quote(tmp)}")
+    _run(host, f"rm -f {shlex.quote(tmp)}")
     for start in range(0, len(encoded), CHUNK):
-        host.run_expect([0], f"printf %s {encoded[start : start + CHUNK]} >> {shlex.quote(tmp)}")
-    host.run_expect([0], f"base64 -d {shlex.quote(tmp)} > {shlex.quote(remote)} && rm -f {shlex.quote(tmp)}")
+        _run(host, f"printf %s {encoded[start : start + CHUNK]} >> {shlex.quote(tmp)}")
+    _run(host, f"base64 -d {shlex.quote(tmp)} > {shlex.quote(remote)} && rm -f {shlex.quote(tmp)}")
 
 
 def _remote_probe(host) -> str:
     remote = f"/tmp/bwstack-probe-{probe_bundle.digest()}.pyz"
-    if not host.file(remote).exists:
+    if _run(host, f"test -f {shlex.quote(remote)}", expect_ok=False).rc != 0:
         _upload(host, probe_bundle.build(), remote)
     return remote
 
@@ -81,7 +100,7 @@ def _python(host, env: str | None) -> str:
         f"p={shlex.quote(env or '')}/bin/python; "
         'if [ -n "$p" ] && [ -x "$p" ]; then echo $p; else command -v python3; fi'
     )
-    return host.check_output(python_cmd) or "python3"
+    return _run(host, python_cmd).stdout.strip() or "python3"
 
 
 def serve_plan_job(profile: Profile, requests: list[dict]) -> dict:
@@ -98,6 +117,19 @@ def serve_plan_job(profile: Profile, requests: list[dict]) -> dict:
     return {"device": device, "requests": requests}
 
 
+def _facts_of(host, result, what: str) -> dict:
+    if result.rc != 0:
+        lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+        raise HostUnavailable(
+            f"{what} failed on {host.backend.get_pytest_id()} (exit {result.rc}): "
+            + (lines[-1][:400] if lines else "no error output")
+        )
+    try:
+        return json.loads(result.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise HostUnavailable(f"{what} printed no facts on {host.backend.get_pytest_id()}") from None
+
+
 def collect(host, config: pytest.Config, capability: str, serve_plan: dict | None = None) -> dict:
     remote = _remote_probe(host)
     env = config.getoption("--stack-env")
@@ -111,10 +143,8 @@ def collect(host, config: pytest.Config, capability: str, serve_plan: dict | Non
     if serve_plan:
         args += ["--serve-plan", json.dumps(serve_plan)]
     python = _python(host, env)
-    result = host.run(f"{shlex.quote(python)} {remote} {' '.join(shlex.quote(a) for a in args)}")
-    if result.rc != 0:
-        raise RuntimeError(f"the bwstack probe failed on {host.backend.get_pytest_id()}: {result.stderr[-2000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    command = f"{shlex.quote(python)} {remote} {' '.join(shlex.quote(a) for a in args)}"
+    return _facts_of(host, _run(host, command, expect_ok=False), "the bwstack probe")
 
 
 def run_serve_plan(host, config: pytest.Config, env_path: str, job: dict) -> dict:
@@ -122,10 +152,7 @@ def run_serve_plan(host, config: pytest.Config, env_path: str, job: dict) -> dic
     remote = _remote_probe(host)
     python = _python(host, config.getoption("--stack-env"))
     command = f"{shlex.quote(python)} {remote} serve-plan --env {shlex.quote(env_path)} {shlex.quote(json.dumps(job))}"
-    result = host.run(command)
-    if result.rc != 0:
-        raise RuntimeError(f"serve-plan failed on {host.backend.get_pytest_id()}: {result.stderr[-2000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return _facts_of(host, _run(host, command, expect_ok=False), "serve-plan")
 
 
 @pytest.fixture(scope="module")
@@ -138,12 +165,34 @@ def facts(host, request: pytest.FixtureRequest, lock: Lock) -> dict:
         capability = capability or planned.expect.target_capability
         models = [request_of(m, i) for i, m in enumerate(planned.expect.models)]
         job = serve_plan_job(planned, models) if models else None
-        _FACTS[key] = collect(host, request.config, capability, job)
-        out = request.config.getoption("--stack-facts-dir")
-        if out:
-            Path(out).mkdir(parents=True, exist_ok=True)
-            (Path(out) / f"{key.replace('/', '_')}.json").write_text(json.dumps(_FACTS[key], indent=1))
-    return _FACTS[key]
+        try:
+            _FACTS[key] = collect(host, request.config, capability, job)
+        except HostUnavailable as exc:
+            _FACTS[key] = exc  # every module of this host fails at once with it, not after another timeout
+        else:
+            out = request.config.getoption("--stack-facts-dir")
+            if out:
+                Path(out).mkdir(parents=True, exist_ok=True)
+                (Path(out) / f"{key.replace('/', '_')}.json").write_text(json.dumps(_FACTS[key], indent=1))
+    got = _FACTS[key]
+    if isinstance(got, HostUnavailable):
+        raise got
+    return got
+
+
+@pytest.fixture(autouse=True)
+def _remembered_waivers(request: pytest.FixtureRequest, facts: dict) -> None:
+    """The waivers the node's store remembers (written at provision time) apply as if given again."""
+    if request.config.getoption("--stack-no-remembered-waivers"):
+        return
+    store = facts.get("env", {}).get("store") or {}
+    if store.get("waivers_error"):
+        pytest.fail(f"the node's remembered waivers are unreadable: {store['waivers_error']}")
+    remembered = [waivers.Waiver(w["check"], w["reason"]) for w in store.get("waivers", [])]
+    waiver = waivers.matching(remembered, request.node.name)
+    if waiver is not None:
+        request.node.user_properties.append(("note", f"waiver remembered by the node's store {store.get('root')}"))
+        pytest.skip(waiver.message())
 
 
 @pytest.fixture(scope="module")

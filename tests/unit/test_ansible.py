@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -204,50 +205,166 @@ def test_roles_do_not_verify_with_a_placeholder_assert():
                     assert check.get("that") not in (True, "true", [True], ["true"]), f"{path}: {task['name']}"
 
 
+def _tasks(items: list) -> list[dict]:
+    """Every task, the ones inside blocks (block/rescue/always) included."""
+    out = []
+    for task in items or []:
+        nested = [task.get(key) or [] for key in ("block", "rescue", "always")]
+        if any(nested):
+            out += [t for part in nested for t in _tasks(part)]
+        else:
+            out.append(task)
+    return out
+
+
 def test_every_playbook_task_uses_fqcn_or_the_bwstack_module():
     allowed_short = {"bwstack_node"}
     keywords = {"name", "when", "register", "tags", "vars", "notify", "loop", "block", "rescue", "always",
                 "delegate_to", "run_once", "check_mode", "changed_when", "failed_when", "ignore_errors", "become",
-                "no_log", "environment", "listen", "until", "retries", "delay", "args", "diff"}  # fmt: skip
+                "no_log", "environment", "listen", "until", "retries", "delay", "args", "diff", "timeout"}  # fmt: skip
     for path in list((ANSIBLE / "roles").rglob("tasks/*.yml")) + list((ANSIBLE / "roles").rglob("handlers/*.yml")):
-        for task in yaml.safe_load(path.read_text()) or []:
+        for task in _tasks(yaml.safe_load(path.read_text())):
             modules = [k for k in task if k not in keywords]
             assert len(modules) == 1, f"{path}: {task.get('name')}: {modules}"
             assert modules[0].startswith("ansible.builtin.") or modules[0] in allowed_short, f"{path}: {modules[0]}"
+
+
+def test_no_task_passes_a_space_joined_argument_string():
+    """Commands get argument lists (argv), never strings a shell or module splits (issue 11, item 9)."""
+    for path in (ANSIBLE / "roles").rglob("tasks/*.yml"):
+        for task in _tasks(yaml.safe_load(path.read_text())):
+            for module in ("ansible.builtin.command", "ansible.builtin.shell", "ansible.builtin.script"):
+                if module in task:
+                    assert isinstance(task[module], dict) and "argv" in task[module], f"{path}: {task['name']}"
+            assert "ansible.builtin.pip" not in task, f"{path}: {task['name']}: extra_args is one string"
+
+
+def test_services_restart_inside_the_rollout_never_in_a_handler_after_it():
+    """A handler runs after the play's rescue: a unit failing to restart there left the node switched while the
+    play failed. The restart is a task of the role, so provision.yml's block covers it."""
+    assert not list((ANSIBLE / "roles" / "bwstack_mlenv").glob("handlers/*")), "no handlers in bwstack_mlenv"
+    for name in ("main.yml", "rollback.yml"):
+        tasks = yaml.safe_load((ANSIBLE / "roles" / "bwstack_mlenv" / "tasks" / name).read_text())
+        includes = [t for t in tasks if t.get("ansible.builtin.include_tasks") == "services.yml"]
+        assert includes and all("switched" in " ".join(t["when"]) for t in includes), name
+    assert not any("notify" in t for path in (ANSIBLE / "roles").rglob("bwstack_mlenv/tasks/*.yml")
+                   for t in _tasks(yaml.safe_load(path.read_text())))  # fmt: skip
+
+
+def test_tasks_where_index_urls_flow_hide_them():
+    """An index URL may carry a token: the module hides its `index` option, the tool role its pip run."""
+    module = (ANSIBLE / "library" / "bwstack_node.py").read_text()
+    assert '"index": {"type": "list", "elements": "str", "default": [], "no_log": True}' in module
+    tasks = _tasks(yaml.safe_load((ANSIBLE / "roles" / "bwstack_tool" / "tasks" / "main.yml").read_text()))
+    pip = [t for t in tasks if "bwstack_tool_index_url" in json.dumps(t.get("ansible.builtin.command", {}))]
+    assert pip and all("no_log" in t for t in pip)
 
 
 # ------------------------------------------------------------------------------------------------ provision CLI
 
 
 def test_local_target_is_this_machine_over_the_local_connection():
-    args, extra, inventory = playbooks.parse_targets("local://")
-    host = inventory["all"]["children"]["bwstack_nodes"]["hosts"]["localhost"]
-    assert (args, extra, host["ansible_connection"]) == ([], {}, "local")
+    got = playbooks.parse_targets("local://")
+    host = got.inventory["all"]["children"]["bwstack_nodes"]["hosts"]["localhost"]
+    assert (got.args, got.extra, host["ansible_connection"]) == ([], {}, "local")
 
 
-def test_ssh_targets_become_a_temporary_inventory():
-    _, _, inventory = playbooks.parse_targets("ssh://ops@gpu-a01,ssh://gpu-a02:2222")
-    hosts = inventory["all"]["children"]["bwstack_nodes"]["hosts"]
-    assert hosts["gpu-a01"] == {
+def test_ssh_targets_become_a_temporary_inventory_named_with_user_and_port():
+    got = playbooks.parse_targets("ssh://ops@gpu-a01,ssh://gpu-a02:2222,ssh://root@gpu-a02:2222")
+    hosts = got.inventory["all"]["children"]["bwstack_nodes"]["hosts"]
+    assert hosts["ops@gpu-a01"] == {
         "ansible_host": "gpu-a01",
         "ansible_connection": "ssh",
         "ansible_user": "ops",
         "ansible_become": True,
     }
-    assert hosts["gpu-a02_2222"]["ansible_port"] == 2222
+    assert hosts["gpu-a02_2222"]["ansible_port"] == 2222 and "ansible_user" not in hosts["gpu-a02_2222"]
+    assert "ansible_become" not in hosts["root@gpu-a02_2222"], "root needs no sudo"
+    assert got.labels == {
+        "ops@gpu-a01": "ops@gpu-a01",
+        "gpu-a02_2222": "gpu-a02:2222",
+        "root@gpu-a02_2222": "root@gpu-a02:2222",
+    }
+
+
+def test_ssh_key_and_known_hosts_become_the_hosts_ssh_settings(tmp_path: Path):
+    from bwstack.hostspec import SshOptions
+
+    key, known = tmp_path / "id key", tmp_path / "known hosts"
+    key.write_text("k")
+    known.write_text("")
+    got = playbooks.parse_targets("ssh://root@node:2222", SshOptions.from_args(str(key), str(known)))
+    host = got.inventory["all"]["children"]["bwstack_nodes"]["hosts"]["root@node_2222"]
+    assert host["ansible_ssh_private_key_file"] == str(key)
+    common = shlex.split(host["ansible_ssh_common_args"])  # how Ansible splits it for ssh, scp and sftp
+    assert common == ["-o", f"UserKnownHostsFile={known}", "-o", "StrictHostKeyChecking=yes"]
 
 
 def test_ansible_target_uses_the_users_inventory_with_limit_and_group(tmp_path: Path):
     inv = tmp_path / "hosts.yml"
     inv.write_text("all: {}\n")
-    args, extra, inventory = playbooks.parse_targets(f"ansible://{inv}?limit=rack_a&group=gpus")
-    assert (args, extra, inventory) == (["-i", str(inv), "--limit", "rack_a"], {"bwstack_hosts": "gpus"}, None)
+    got = playbooks.parse_targets(f"ansible://{inv}?limit=rack_a&group=gpus")
+    assert (got.args, got.extra, got.inventory) == (
+        ["-i", str(inv), "--limit", "rack_a"],
+        {"bwstack_hosts": "gpus"},
+        None,
+    )
 
 
-@pytest.mark.parametrize("spec", ["ftp://x", "ssh://", "ansible:///no/such/inventory", "local://,ansible://x"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "ftp://x",
+        "ssh://",
+        "ansible:///no/such/inventory",
+        "local://,ansible://x",
+        "",
+        "ssh://a,,ssh://b",
+        "ssh://h:0",
+        "ssh://h:port",
+        "ssh://u:password@h",
+        "ssh://-oProxyCommand=x",
+        "ssh://h?ssh_config=/tmp/c",
+        "docker://c",
+        "ssh://h,ssh://h",
+    ],
+)
 def test_bad_targets_are_refused_with_a_usage_error(spec: str):
     with pytest.raises(UsageError):
         playbooks.parse_targets(spec)
+
+
+@pytest.mark.parametrize("option", ["--ssh-key", "--known-hosts"])
+@pytest.mark.parametrize("value", ["", "/no/such/file", '/tmp/with"quote'])
+def test_bad_ssh_files_are_one_line_and_exit_2(option: str, value: str):
+    result = subprocess.run(
+        [sys.executable, "-m", "bwstack", "provision", "--target", "ssh://root@node", option, value],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"bwstack: error: {option}") and len(result.stderr.splitlines()) == 1
+
+
+def test_a_failed_run_ends_with_one_line_per_failed_host_by_its_label():
+    outcome = playbooks._Outcome()
+    lines = [
+        'fatal: [root@node_2222]: UNREACHABLE! => {"changed": false, "msg": "Task failed: Failed to connect to the '
+        'host via ssh: Timeout, server not responding.", "unreachable": true}',
+        'fatal: [gpu-a01]: FAILED! => {"changed": false, "msg": "verify failed on gpu-a01: x"}',
+        'fatal: [gpu-a01]: FAILED! => {"changed": false, "msg": "provisioning failed on gpu-a01 at \\"Run\\": x"}',
+    ]
+    for line in lines:
+        outcome.read(line)
+    assert outcome.summary({"root@node_2222": "root@node:2222"}) == (
+        "root@node:2222: unreachable: Failed to connect to the host via ssh: Timeout, server not responding.; "
+        'gpu-a01: provisioning failed on gpu-a01 at "Run": x'
+    )
+
+
+def test_credentials_in_urls_are_masked_in_what_bwstack_prints():
+    assert playbooks.redact("-e bwstack_tool_index_url=https://ci:s3cr3t@pypi.example/simple") == (
+        "-e bwstack_tool_index_url=https://***@pypi.example/simple"
+    )
 
 
 def test_missing_ansible_playbook_is_one_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
@@ -262,7 +379,7 @@ def test_provision_options_become_extra_vars(tmp_path: Path):
 
     args = build_parser().parse_args(
         ["--lock", "stack.lock.yaml", "provision", "--wheelhouse", "/w", "--index", "pypi=https://m/simple",
-         "--ca-bundle", "/ca.pem", "--offline", "--verify-skip", "nvcc=no nvcc", "--root", "/r"]
+         "--ca-bundle", "/ca.pem", "--offline", "--skip", "nvcc=no nvcc", "--root", "/r"]
     )  # fmt: skip
     got = playbooks._common_vars(args)
     assert got["bwstack_wheelhouse"] == ["/w"] and got["bwstack_index"] == ["pypi=https://m/simple"]
@@ -305,6 +422,7 @@ def fixture_vars(stack: Path, node: Path, **more) -> dict:
         "bwstack_preflight_min_free_gb": 1,
         "bwstack_controller_cache": str(stack / "controller-cache"),
         "bwstack_tool_offline": False,  # bwstack's own dependencies from PyPI (the flow test installs them offline)
+        "bwstack_tool_wrapper": "",  # never this machine's /usr/local/bin
         **more,
     }
 

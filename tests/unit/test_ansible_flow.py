@@ -2,7 +2,8 @@
 the tests, installed offline from a wheelhouse: the path a cu130 node takes for wheels PyPI does not carry).
 
 One node is driven through: provision fixture-new -> converged re-run -> --check -> provision fixture-old ->
-provision fixture-new with verify failing (rescue rolls it back) -> `bwstack rollback --target` -> verify.yml
+provision fixture-new with verify failing (rescue rolls it back) -> `bwstack rollback --target` (no waivers
+given: the node remembers the ones it was provisioned with) -> verify.yml -> the node's own `bwstack` wrapper
 -> verify.yml requiring node acceptance (which this machine, without the target's GPUs, cannot pass).
 The runs happen once (module fixture); each test checks one behaviour of one step. bwstack itself is
 installed into the node's tool venv offline too, from a wheelhouse of its dependencies that the fixture fetches
@@ -59,6 +60,8 @@ class Node:
         self.tool_wheelhouse = self.stack / "tool-wheelhouse"
         run([sys.executable, "-m", "pip", "download", "--quiet", "--dest", str(self.tool_wheelhouse), self.wheel]).ok()
         self.active_after: dict[str, str | None] = {}
+        self.wrapper = base / "bin" / "bwstack"  # the node's PATH entry, here in the test's own directory
+        self.wrapper.parent.mkdir()
 
     def provision(self, step: str, profile: str, *flags: str, waivers: bool = True) -> Run:
         """Through the `bwstack provision` CLI, as a user without an inventory would."""
@@ -69,6 +72,7 @@ class Node:
                     "bwstack_controller_cache": str(self.stack / "controller-cache"),
                     "bwstack_tool_wheel": self.wheel,
                     "bwstack_tool_wheelhouse": str(self.tool_wheelhouse),
+                    "bwstack_tool_wrapper": str(self.wrapper),
                 }
             )
         )
@@ -76,19 +80,17 @@ class Node:
         args += ["--min-free-gb", "1", "--root", str(self.root), "--ml-env", str(self.ml_env), "--cuda-link", "none"]
         args += ["--wheelhouse", str(self.stack / "wheelhouse"), "--offline", "-e", f"@{extra}", *flags]
         for waiver in WAIVERS if waivers else []:
-            args += ["--verify-skip", waiver]
+            args += ["--skip", waiver]
         return self._record(step, bwstack_cli(self.lock, *args, log=self.logs / f"{step}.log"))
 
     def rollback(self, step: str) -> Run:
-        """Through `bwstack rollback --target`, which drives rollback.yml."""
+        """Through `bwstack rollback --target`, which drives rollback.yml; no waivers given (the node's own)."""
         extra = self.base / f"{step}.extra.json"
         extra.write_text(
             json.dumps({"bwstack_tool_wheel": self.wheel, "bwstack_tool_wheelhouse": str(self.tool_wheelhouse)})
         )
         args = ["rollback", "--target", "local://", "--root", str(self.root), "--ml-env", str(self.ml_env)]
         args += ["--cuda-link", "none", "--wheelhouse", str(self.stack / "wheelhouse"), "--offline", "-e", f"@{extra}"]
-        for waiver in WAIVERS:
-            args += ["--verify-skip", waiver]
         return self._record(step, bwstack_cli(self.lock, *args, log=self.logs / f"{step}.log"))
 
     def play(self, step: str, name: str, **more) -> Run:
@@ -115,6 +117,8 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Node:
     n.provision("failing", "fixture-new", waivers=False)
     n.rollback("rollback")
     n.play("verify", "verify.yml")
+    n.runs["node-verify"] = run([str(n.wrapper), "verify", "--no-runtime"])
+    n.runs["node-generations"] = run([str(n.wrapper), "generations", "--json"])
     n.play("accept", "verify.yml", bwstack_verify_require_acceptance=True, bwstack_verify_accept_timeout=60)
     return n
 
@@ -155,11 +159,25 @@ def test_a_node_failing_verify_is_rolled_back_and_the_run_fails(node: Node):
     assert node.active_after["failing"] == "fixture-old"
 
 
-def test_rollback_playbook_switches_back_and_verifies(node: Node):
+def test_rollback_playbook_switches_back_and_verifies_with_the_waivers_the_node_remembers(node: Node):
     run = node.runs["rollback"].ok()
     assert node.active_after["rollback"] == "fixture-new"
     assert run.changed() > 0
     assert "every check passed or was skipped with a reason" in run.out
+    assert "waived by the operator: the fixture toolkit has no nvcc" in run.out
+
+
+def test_the_failed_provision_left_the_remembered_waivers_as_they_were(node: Node):
+    remembered = json.loads((node.root / "waivers.json").read_text())["waivers"]
+    assert [f"{w['check']}={w['reason']}" for w in remembered] == WAIVERS
+
+
+def test_the_nodes_bwstack_wrapper_knows_its_lock_and_store(node: Node):
+    gens = json.loads(node.runs["node-generations"].ok().out)
+    assert [g["profile"] for g in gens if g["active"]] == ["fixture-new"]
+    verify = node.runs["node-verify"].ok()
+    (line,) = [line for line in verify.out.splitlines() if "toolkit_nvcc_is_the_profiles_cuda_version" in line]
+    assert line.split()[0] == "SKIP" and line.endswith("waived by the operator: the fixture toolkit has no nvcc")
 
 
 def test_verify_playbook_prints_the_table_and_the_waivers(node: Node):

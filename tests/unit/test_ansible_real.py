@@ -7,8 +7,8 @@ No GPU here: preflight runs with bwstack_preflight_allow_no_gpu (said loudly in 
 pip wheels ship no nvcc, so verify's nvcc checks are waived with that reason, visibly.
 
 With only cu128 buildable here (cu130's wheels are not on PyPI), the store holds one generation: the rollback
-playbook takes bwstack's "nothing to go back to: the lock's rollback profile" path (cu128, already active), then
-verifies. Real generation switches by playbook are covered by test_ansible_flow.py.
+playbook refuses, saying there is nothing to go back to (a rebuild needs -e bwstack_mlenv_rollback_rebuild=true).
+Real generation switches by playbook are covered by test_ansible_flow.py and, over SSH, test_remote_node.py.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ class RealNode:
             "bwstack_verify_skip": [NVCC_WAIVER],
             "bwstack_controller_cache": str(self.base / "controller-cache"),
             "bwstack_tool_wheel": self.wheel,
+            "bwstack_tool_wrapper": "",  # never this machine's /usr/local/bin
         }
 
     def play(self, step: str, name: str, **more) -> Run:
@@ -114,10 +115,11 @@ def test_converged_rerun_reports_no_change(real: RealNode, record_property):
     assert run.changed() == 0, run.tail(200)
 
 
-def test_rollback_with_one_generation_keeps_the_rollback_profile_and_verifies(real: RealNode):
-    run = real.runs["rollback"].ok()
+def test_rollback_with_one_generation_is_refused_saying_so_and_changes_nothing(real: RealNode):
+    run = real.runs["rollback"]
+    assert run.rc != 0
+    assert "nothing to roll back to" in run.out and "is the only generation" in run.out
     assert active(real.root, real.ml_env)["profile"] == "cu128"
-    assert "every check passed or was skipped with a reason" in run.out
 
 
 def test_verify_passes_with_the_nvcc_checks_waived_visibly(real: RealNode):

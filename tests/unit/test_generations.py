@@ -76,6 +76,15 @@ def test_second_build_of_the_same_closure_changes_nothing(stack):
     assert len(_store(stack).generations()) == 1
 
 
+def test_the_plan_says_whether_a_build_is_needed_and_which_generation_it_reuses(stack):
+    """What the preflight role asks before it requires free disk for a build."""
+    fresh = json.loads(stack.build("fixture-new", "--check", "--json", check=True).stdout)
+    stack.build("fixture-new", check=True)
+    converged = json.loads(stack.build("fixture-new", "--check", "--json", check=True).stdout)
+    assert fresh["build"] is True
+    assert converged["build"] is False and converged["target"] == converged["active"]
+
+
 def test_rollback_returns_to_the_previous_generation_which_reports_its_recorded_versions(stack):
     stack.build("fixture-old", check=True)
     stack.build("fixture-new", check=True)
@@ -87,8 +96,28 @@ def test_rollback_returns_to_the_previous_generation_which_reports_its_recorded_
     assert (facts["torch"], facts["cuda"]) == ("2.9.1", "12.8")
 
 
-def test_rollback_with_no_generation_left_rebuilds_the_rollback_profile_from_the_lock(stack):
-    result = stack.run("rollback", "--wheelhouse", str(stack.wheelhouse), "--json", check=True)
+def test_rollback_with_nothing_to_go_back_to_says_so_and_changes_nothing(stack):
+    stack.build("fixture-new", check=True)
+    before = os.readlink(stack.root / "current")
+    result = stack.run("rollback", "--wheelhouse", str(stack.wheelhouse))
+    assert result.returncode == 1
+    assert result.stderr.startswith("bwstack: error: nothing to roll back to: 0000-fixture-new-")
+    assert "is the only generation" in result.stderr and "--rebuild" in result.stderr
+    assert len(result.stderr.splitlines()) == 1
+    assert os.readlink(stack.root / "current") == before and len(_store(stack).generations()) == 1
+
+
+def test_rollback_check_says_what_it_would_do_and_changes_nothing(stack):
+    stack.build("fixture-old", check=True)
+    stack.build("fixture-new", check=True)
+    before = os.readlink(stack.root / "current")
+    plan = json.loads(stack.run("rollback", "--check", "--json", check=True).stdout)
+    assert plan["changed"] and plan["target"].startswith("0000-fixture-old-")
+    assert os.readlink(stack.root / "current") == before
+
+
+def test_rollback_rebuild_builds_the_rollback_profile_from_the_lock_when_there_is_nothing_to_go_back_to(stack):
+    result = stack.run("rollback", "--rebuild", "--wheelhouse", str(stack.wheelhouse), "--json", check=True)
     payload = json.loads(result.stdout)
     assert payload["rolled_back_by"] == "rebuild from the lock"
     assert _python_facts(stack.ml_env)["torch"] == "2.9.1"

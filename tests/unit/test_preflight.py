@@ -100,6 +100,29 @@ def test_the_probe_zipapp_gives_the_same_verdict_without_bwstack_installed(tmp_p
     assert verdict["ok"] is (profile == "cu128")  # 575 is below CUDA 13's 580, fine for CUDA 12.8
 
 
+def test_a_run_that_builds_nothing_needs_no_free_disk_margin(tmp_path):
+    """The role passes --reuse GENERATION when bwstack's plan (build --check) says no build is needed."""
+    import subprocess
+    import sys
+
+    from bwstack import preflight, probe_bundle
+    from bwstack.lockfile import load_lock
+
+    pyz = probe_bundle.write(tmp_path / "probe.pyz")
+    env = {**os.environ, **_fake_smi(tmp_path, ["NVIDIA RTX PRO 6000 Blackwell Server Edition, 12.0, 580.82.07"])}
+    req = json.dumps(
+        preflight.requirements_of(load_lock(Path(__file__).parents[2] / "stack.lock.yaml").profile("cu130"))
+    )
+    base = [sys.executable, "-S", str(pyz), "preflight", "--requirements", req, "--min-free-gb", "1000000"]
+    building = json.loads(subprocess.run(base, capture_output=True, text=True, env=env).stdout)
+    reusing = json.loads(
+        subprocess.run([*base, "--reuse", "0003-cu130-abc"], capture_output=True, text=True, env=env).stdout
+    )
+    assert not building["ok"] and "need 1000000 GiB" in building["refusal"]
+    disk = next(c for c in reusing["checks"] if c["name"] == "disk")
+    assert reusing["ok"] and disk["detail"].endswith("no build needed (the plan reuses 0003-cu130-abc)")
+
+
 # ------------------------------------------------------------------------------------------------ node facts
 
 

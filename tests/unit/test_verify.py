@@ -58,15 +58,42 @@ def test_a_waived_check_is_listed_as_skipped_with_the_reason(stack):
         assert checks[name]["message"] == "waived by the operator: no toolkit in this fixture"
 
 
-def test_verify_runs_through_an_ansible_inventory(stack, tmp_path):
+def test_verify_runs_through_an_ansible_inventory_with_the_provision_spelling(stack, tmp_path):
     stack.build("fixture-new", check=True)
     inventory = tmp_path / "hosts.ini"
-    inventory.write_text("[nodes]\nlocalhost ansible_connection=local\n")
-    result = stack.run("verify", "--no-runtime", "--json", "--target", f"ansible://nodes?ansible_inventory={inventory}")
-    payload = json.loads(result.stdout)
-    assert list(payload["hosts"]) == ["ansible://localhost"]
-    checks = {c["check"]: c for c in payload["hosts"]["ansible://localhost"]["checks"]}
+    inventory.write_text("[bwstack_nodes]\nlocalhost ansible_connection=local\nother ansible_connection=local\n")
+    target = f"ansible://{inventory}?limit=localhost"
+    payload = json.loads(stack.run("verify", "--no-runtime", "--json", "--target", target).stdout)
+    assert list(payload["hosts"]) == ["localhost"]
+    checks = {c["check"]: c for c in payload["hosts"]["localhost"]["checks"]}
     assert checks["every_pinned_package_is_at_the_locked_version"]["outcome"] == "passed"
+
+
+def test_the_report_names_the_host_as_told(stack):
+    stack.build("fixture-new", check=True)
+    result = stack.run("verify", "--no-runtime", "--host-name", "root@gpu-a01:2222")
+    assert result.stdout.splitlines()[0] == "root@gpu-a01:2222:"
+
+
+def test_waivers_remembered_by_the_store_apply_without_being_given_again(stack):
+    stack.build("fixture-new", check=True)
+    stack.run("waivers", "--set", "nvcc=remembered: no toolkit in this fixture", check=True)
+    checks = _checks(stack.run("verify", "--no-runtime", "--json"))
+    check = checks["toolkit_nvcc_is_the_profiles_cuda_version"]
+    assert (check["outcome"], check["message"]) == (
+        "skipped",
+        "waived by the operator: remembered: no toolkit in this fixture",
+    )
+    assert any(str(stack.root) in note for note in check["notes"])
+
+
+def test_the_waivers_command_replaces_and_clears_what_the_store_remembers(stack):
+    stack.build("fixture-new", check=True)
+    first = json.loads(stack.run("waivers", "--set", "nvcc=why", "--json", check=True).stdout)
+    again = json.loads(stack.run("waivers", "--set", "nvcc=why", "--json", check=True).stdout)
+    cleared = json.loads(stack.run("waivers", "--clear", "--json", check=True).stdout)
+    assert (first["changed"], again["changed"], cleared["changed"]) == (True, False, True)
+    assert first["waivers"] == [{"check": "nvcc", "reason": "why"}] and cleared["waivers"] == []
 
 
 def test_a_host_without_the_env_fails_every_env_check_saying_so(stack, tmp_path):
@@ -76,11 +103,70 @@ def test_a_host_without_the_env_fails_every_env_check_saying_so(stack, tmp_path)
     assert check["outcome"] == "error" and "no env at" in check["message"] and "provision" in check["message"]
 
 
-@pytest.mark.parametrize("spec", ["nosuch://x", "docker://"])
-def test_a_bad_target_is_a_clear_usage_error(stack, spec):
+BAD_TARGETS = [
+    "nosuch://x",
+    "docker://",
+    "ssh://",
+    "ssh://root@host:99999",
+    "ssh://-oProxyCommand=touch@x",
+    "ssh://root@host?ssh_config=/tmp/c",
+    "ansible://nodes?ansible_inventory=/tmp/hosts",
+    "",
+    "local://,local://",
+    "local://,",
+    "gpu-a01",
+]
+
+
+@pytest.mark.parametrize("spec", BAD_TARGETS)
+def test_a_bad_target_is_one_line_and_exit_2(stack, spec):
     result = stack.run("verify", "--target", spec)
-    assert result.returncode != 0
-    assert "Traceback" not in result.stderr
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("bwstack: error: --target")
+    assert result.stdout == ""
+
+
+NOT_CHECKED = ("Traceback", "INTERNALERROR", "CommandResult(", "RuntimeError")
+
+
+def _one_line_per_host(result) -> list[str]:
+    for marker in NOT_CHECKED:
+        assert marker not in result.stdout + result.stderr
+    return result.stdout.strip().splitlines()
+
+
+def test_an_unreachable_host_is_one_line_naming_it_with_user_and_port(stack):
+    result = stack.run("verify", "--no-runtime", "--target", "ssh://root@127.0.0.1:1")
+    assert result.returncode == 1
+    assert _one_line_per_host(result) == [
+        "root@127.0.0.1:1: not checked: unreachable: ssh: connect to host 127.0.0.1 port 1: Connection refused"
+    ]
+
+
+def test_a_host_without_python3_is_one_line(stack, tmp_path):
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    result = stack.run("verify", "--no-runtime", "--env", str(tmp_path / "no-env"), extra_env={"PATH": str(empty)})
+    (line,) = _one_line_per_host(result)
+    assert result.returncode == 1
+    want = f"no python3 on the host (and no {tmp_path / 'no-env'}/bin/python): the checks run a Python probe there"
+    assert line.endswith(f"(local): not checked: {want}; install python3")
+
+
+@pytest.mark.docker
+@pytest.mark.skipif(shutil.which("docker") is None, reason="the docker CLI is not installed")
+def test_a_container_that_does_not_exist_is_one_line(stack):
+    result = stack.run("verify", "--no-runtime", "--target", "docker://bwstack-no-such-container")
+    (line,) = _one_line_per_host(result)
+    assert result.returncode == 1
+    assert line.startswith("docker://bwstack-no-such-container: not checked: ")
+    assert "bwstack-no-such-container" in line.split("not checked: ", 1)[1]
+
+
+def test_two_unreachable_targets_are_two_lines_in_the_given_order(stack):
+    result = stack.run("verify", "--no-runtime", "--target", "ssh://root@127.0.0.1:2,ssh://127.0.0.1:1")
+    lines = _one_line_per_host(result)
+    assert [line.split(": ", 1)[0] for line in lines] == ["root@127.0.0.1:2", "127.0.0.1:1"]
 
 
 @pytest.fixture
@@ -103,30 +189,54 @@ def sshd(tmp_path):
     )
     os.makedirs("/run/sshd", exist_ok=True)
     proc = subprocess.Popen([daemon, "-D", "-e", "-f", str(config)], stderr=subprocess.PIPE, text=True)
-    ssh_config = keys / "client_config"
-    ssh_config.write_text(
-        f"Host bwstack-test\n  HostName 127.0.0.1\n  Port {port}\n  User root\n  IdentityFile {keys / 'client'}\n"
-        "  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n"
-    )
+    host_key = (keys / "host.pub").read_text().split()
+    known_hosts = keys / "known_hosts"
+    known_hosts.write_text(f"[127.0.0.1]:{port},[localhost]:{port} {host_key[0]} {host_key[1]}\n")
+    options = ["--ssh-key", str(keys / "client"), "--known-hosts", str(known_hosts)]
     for _ in range(50):
-        probe = subprocess.run(["ssh", "-F", str(ssh_config), "bwstack-test", "true"], capture_output=True)
+        probe = subprocess.run(
+            ["ssh", "-p", str(port), "-i", str(keys / "client"), "-o", f"UserKnownHostsFile={known_hosts}",
+             "-o", "BatchMode=yes", "root@127.0.0.1", "true"],
+            capture_output=True,
+        )  # fmt: skip
         if probe.returncode == 0:
             break
         time.sleep(0.2)
     else:
         proc.kill()
         pytest.skip(f"sshd did not come up: {proc.stderr.read()[-300:] if proc.stderr else ''}")
-    yield ssh_config
+    yield port, options
     proc.kill()
     proc.wait()
 
 
-def test_verify_runs_over_ssh(stack, sshd):
+def test_verify_runs_over_ssh_with_the_key_and_known_hosts_given_as_options(stack, sshd):
+    port, options = sshd
     stack.build("fixture-new", check=True)
-    target = f"ssh://bwstack-test?ssh_config={sshd}"
-    result = stack.run("verify", "--no-runtime", "--json", "--target", target, "--env", str(stack.ml_env))
+    target = f"ssh://root@127.0.0.1:{port}"
+    result = stack.run("verify", "--no-runtime", "--json", "--target", target, "--env", str(stack.ml_env), *options)
     payload = json.loads(result.stdout)
-    (host,) = payload["hosts"]
-    assert host.startswith("ssh://")
-    checks = {c["check"]: c for c in payload["hosts"][host]["checks"]}
+    assert list(payload["hosts"]) == [f"root@127.0.0.1:{port}"]
+    checks = {c["check"]: c for c in payload["hosts"][f"root@127.0.0.1:{port}"]["checks"]}
     assert checks["every_pinned_package_is_at_the_locked_version"]["outcome"] == "passed"
+
+
+def test_two_targets_at_one_host_are_two_reports(stack, sshd):
+    port, options = sshd
+    stack.build("fixture-new", check=True)
+    target = f"ssh://root@127.0.0.1:{port},ssh://root@localhost:{port}"
+    result = stack.run("verify", "--no-runtime", "--json", "--target", target, "--env", str(stack.ml_env), *options)
+    payload = json.loads(result.stdout)
+    assert list(payload["hosts"]) == [f"root@127.0.0.1:{port}", f"root@localhost:{port}"]
+    assert all(host["checks"] for host in payload["hosts"].values())
+
+
+def test_a_host_whose_key_is_not_in_the_known_hosts_file_is_refused_in_one_line(stack, sshd, tmp_path):
+    port, options = sshd
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    options = [*options[:2], "--known-hosts", str(empty)]
+    result = stack.run("verify", "--no-runtime", "--target", f"ssh://root@127.0.0.1:{port}", *options)
+    (line,) = _one_line_per_host(result)
+    assert line.startswith(f"root@127.0.0.1:{port}: not checked: unreachable: ")
+    assert "Host key verification failed" in line
