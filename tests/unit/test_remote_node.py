@@ -321,7 +321,6 @@ def test_fleet_provision_and_verify_from_the_example_inventory_pass(flow: Flow):
 
 @pytest.mark.slow
 @pytest.mark.network
-@pytest.mark.xfail(strict=True, reason="needs the store drift fix (issue 11, coordinator)")
 def test_after_drift_and_backup_the_pre_drift_generation_is_restored_by_the_rollback_play(flow: Flow):
     flow.runs["backup"].ok()
     run = flow.runs["fleet-rollback"]
