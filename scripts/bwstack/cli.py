@@ -255,15 +255,18 @@ def cmd_generations(args: argparse.Namespace) -> int:
             "path": str(gen.path),
         }
         if damaged:
-            row.update({"state": "damaged", "why": damaged, "verified": None})
+            row.update({"state": "damaged", "why": damaged, "verified": None, "integrity": f"damaged: {damaged}"})
         else:
             problems = gen.verify(args.verify if args.check else "quick")
             verification = gen.record.get("verification", {}).get("status")
             if problems:
                 more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-                row.update({"state": "changed", "why": f"{problems[0]}{more}", "verified": verification})
+                why = f"{problems[0]}{more}"
+                row.update({"state": "changed", "why": why, "verified": verification})
+                row["integrity"] = f"{len(problems)} problems, e.g. {problems[0]}"
             else:
                 row.update({"state": verification or "unknown", "why": "", "verified": verification})
+                row["integrity"] = "ok"
             if gen.manifest.legacy:
                 row["note"] = "format 1 manifest (bwstack 0.1): covers env/ only"
         rows.append(row)
