@@ -41,7 +41,7 @@ import venv
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-VOLATILE = {"log", "model_path"}  # message texts and temporary paths differ between runs, not decisions
+VOLATILE = {"log", "model_path", "speculative_draft_model_path"}  # texts and temporary paths differ, not decisions
 
 
 def _stdlib(path: str) -> bool:
