@@ -1,3 +1,3 @@
-from bwstack.cli import main
+from bwstack.cli.main import main
 
 raise SystemExit(main())

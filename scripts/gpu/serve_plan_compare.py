@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     site = make_env(env, Path(args.wheels))
     # bwstack's node side needs pyelftools (carried): import it from the env just made, bwstack from this checkout
     sys.path[:0] = [str(REPO / "scripts"), str(site)]
-    from bwstack.serveplan import assemble, catalogue, node, references, render
+    from bwstack.probe.serveplan import node, references
+    from bwstack.serveplan import assemble, catalogue, render
 
     real = node.real_device(env, "nvlink")
     if real is None:

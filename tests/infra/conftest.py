@@ -1,6 +1,6 @@
 """Fixtures for the node checks: the lock (read here, on the controller) and one probe run per host.
 
-The probe (bwstack.probe, shipped as a zipapp with pyelftools) runs on each target with the env's own Python
+The probe (bwstack.probe.main, shipped as a zipapp with pyelftools) runs on each target with the env's own Python
 and reports facts as JSON; every test judges one fact against the lock and says what to do when it is wrong.
 """
 
@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from bwstack import probe_bundle, waivers
-from bwstack.lockfile import Lock, Profile, default_lock_path, load_lock
+from bwstack.checks.verify import HostUnavailable
+from bwstack.fleet import probe_bundle
+from bwstack.lock.model import Lock, Profile, default_lock_path, load_lock
+from bwstack.probe import waivers
 from bwstack.serveplan.check import request_of
-from bwstack.verify import HostUnavailable
 
 CHUNK = 60_000  # base64 characters per command: well under Linux's 128 KiB limit for one argument
 _FACTS: dict[str, dict | HostUnavailable] = {}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from bwstack.lockfile import default_lock_path, load_lock
+from bwstack.lock.model import default_lock_path, load_lock
 from bwstack.serveplan import catalogue, check
 
 

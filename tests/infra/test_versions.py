@@ -9,7 +9,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from bwstack.targets import Target
+from bwstack.lock.tags import Target
 
 
 def test_every_pinned_package_is_at_the_locked_version(env, profile):

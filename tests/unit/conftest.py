@@ -116,7 +116,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def have_python312() -> bool:
-    from bwstack.envbuild import find_python
+    from bwstack.provision.envbuild import find_python
 
     try:
         find_python("3.12")
@@ -132,7 +132,7 @@ needs_py312 = pytest.mark.skipif(not have_python312(), reason="no Python 3.12 in
 def real(tmp_path_factory):
     """The real cu128 env built from the lock (slow tier): one build per session, shared by the slow tests.
     BWSTACK_TEST_REAL_ROOT reuses a store between runs (and BWSTACK_CACHE shares downloads with other tiers)."""
-    from bwstack.generations import Layout, Store
+    from bwstack.store.generations import Layout, Store
 
     base = Path(os.environ.get("BWSTACK_TEST_REAL_ROOT") or tmp_path_factory.mktemp("real"))
     base.mkdir(parents=True, exist_ok=True)
@@ -180,7 +180,7 @@ def real_flashinfer_064(real, tmp_path_factory):
     cu130 profile pins) in place of 0.6.3: installers replace files, so the real env is untouched."""
     from realwheels import wheel
 
-    from bwstack.uvtool import run_uv, uv_env
+    from bwstack.provision.uvtool import run_uv, uv_env
 
     wheels = [wheel("flashinfer-python", "0.6.4"), wheel("flashinfer-cubin", "0.6.4")]
     dest = tmp_path_factory.mktemp("fi064") / "env"

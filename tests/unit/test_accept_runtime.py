@@ -18,9 +18,6 @@ from pathlib import Path
 import pytest
 from conftest import MACHINES, REAL_LOCK, bwstack, needs_py312
 
-from bwstack.accept.collect import collect
-from bwstack.accept.judge import Verdict, Want, judge_static
-from bwstack.accept.machine import Machine
 from bwstack.accept.report import AcceptReport, NodeVerdict
 from bwstack.accept.runtime import (
     FORCED_ENV,
@@ -38,7 +35,10 @@ from bwstack.accept.runtime import (
     run_group,
 )
 from bwstack.accept.runtime_judge import judge_runtime
-from bwstack.lockfile import load_lock
+from bwstack.lock.model import load_lock
+from bwstack.probe.hw.collect import collect
+from bwstack.probe.hw.judge import Verdict, Want, judge_static
+from bwstack.probe.hw.machine import Machine
 
 LOCK = load_lock(REAL_LOCK)
 PROFILE = LOCK.profile("cu130")

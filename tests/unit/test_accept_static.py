@@ -18,11 +18,11 @@ import pytest
 import yaml
 from conftest import MACHINES, REAL_LOCK, bwstack
 
-from bwstack.accept import driver, pcie
-from bwstack.accept.collect import collect
-from bwstack.accept.judge import Verdict, Want, judge_static
-from bwstack.accept.machine import Machine, Unknown
-from bwstack.lockfile import load_lock
+from bwstack.lock.model import load_lock
+from bwstack.probe.hw import driver, pcie
+from bwstack.probe.hw.collect import collect
+from bwstack.probe.hw.judge import Verdict, Want, judge_static
+from bwstack.probe.hw.machine import Machine, Unknown
 
 HEALTHY, MISCONFIGURED, NVLINK = "rtx-pro-6000-x8-healthy", "rtx-pro-6000-x8-misconfigured", "h100-sxm-x8-nvlink"
 RTX = Want.of(load_lock(REAL_LOCK).profile("cu130"), load_lock(REAL_LOCK).profile("cu130").target)

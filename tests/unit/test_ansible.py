@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bwstack import playbooks
 from bwstack.errors import BwstackError, UsageError
+from bwstack.fleet import playbooks
 
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE = REPO / "ansible"
@@ -288,7 +288,7 @@ def test_ssh_targets_become_a_temporary_inventory_named_with_user_and_port():
 
 
 def test_ssh_key_and_known_hosts_become_the_hosts_ssh_settings(tmp_path: Path):
-    from bwstack.hostspec import SshOptions
+    from bwstack.checks.hostspec import SshOptions
 
     key, known = tmp_path / "id key", tmp_path / "known hosts"
     key.write_text("k")
@@ -375,7 +375,7 @@ def test_missing_ansible_playbook_is_one_clear_error(monkeypatch: pytest.MonkeyP
 
 
 def test_provision_options_become_extra_vars(tmp_path: Path):
-    from bwstack.cli import build_parser
+    from bwstack.cli.main import build_parser
 
     args = build_parser().parse_args(
         ["--lock", "stack.lock.yaml", "provision", "--wheelhouse", "/w", "--index", "pypi=https://m/simple",
@@ -388,7 +388,7 @@ def test_provision_options_become_extra_vars(tmp_path: Path):
 
 
 def test_controller_facts_give_each_profiles_preflight_requirements_and_toolkit(real_lock_path: Path):
-    from bwstack.lockfile import load_lock
+    from bwstack.lock.model import load_lock
 
     facts = playbooks.controller_facts(load_lock(real_lock_path), None, None, None)
     assert facts["profiles"]["cu130"]["cuda"]["apt_package"] == "cuda-toolkit-13-0"

@@ -28,7 +28,7 @@ WAIVERS = ["nvcc=the fixture toolkit has no nvcc", "extension=the fixture torch 
 
 
 def _needs_py312() -> None:
-    from bwstack.envbuild import find_python
+    from bwstack.provision.envbuild import find_python
 
     try:
         find_python("3.12")

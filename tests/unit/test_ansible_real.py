@@ -71,7 +71,7 @@ class RealNode:
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest):
-    from bwstack.envbuild import find_python
+    from bwstack.provision.envbuild import find_python
 
     try:
         find_python("3.12")

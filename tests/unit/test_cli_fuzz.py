@@ -12,8 +12,8 @@ import argparse
 
 import pytest
 
-from bwstack import cliargs
-from bwstack.cli import build_parser, main
+from bwstack.cli import options as cliargs
+from bwstack.cli.main import build_parser, main
 
 PLACEHOLDER = "x"
 BAD_BY_TYPE = {

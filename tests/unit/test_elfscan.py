@@ -1,4 +1,4 @@
-"""bwstack.elfscan: DT_NEEDED/RPATH, dynamic symbols, loader emulation and the torch ABI check.
+"""bwstack.probe.elfscan: DT_NEEDED/RPATH, dynamic symbols, loader emulation and the torch ABI check.
 
 Fast tests build small libraries with gcc/g++ (a fake torch included); the network+slow tests read the real
 sgl-kernel 0.3.21 and torch 2.9.1 / 2.8.0 wheels from PyPI (~2.3 GB, cached in $BWSTACK_TEST_CACHE/wheels,
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from bwstack import elfscan
-from bwstack.elfscan import (
+from bwstack.probe import elfscan
+from bwstack.probe.elfscan import (
     NotElfError,
     abi_check,
     abi_report,

@@ -1,4 +1,4 @@
-"""bwstack.fatbin: the .nv_fatbin parser and the SM coverage rule.
+"""bwstack.probe.fatbin: the .nv_fatbin parser and the SM coverage rule.
 
 Binaries come from nvcc (skipped without it; compiled once and cached under $BWSTACK_TEST_CACHE/nvcc-fatbin),
 from gcc (a hand-built fatbin section, so the parser is tested without nvcc too) and from the real torch and
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from bwstack import envinspect, fatbin
-from bwstack.elfscan import NotElfError
-from bwstack.fatbin import FatbinEntry, covers, entries, runs_on, summary
+from bwstack.probe import envinspect, fatbin
+from bwstack.probe.elfscan import NotElfError
+from bwstack.probe.fatbin import FatbinEntry, covers, entries, runs_on, summary
 
 CUOBJDUMP_VERSION = "13.5.37"
 KERNEL = """

@@ -1,4 +1,4 @@
-"""bwstack.features reads the real sglang / flashinfer-python wheels' code and says what SM120 really gets."""
+"""bwstack.probe.features reads the real sglang / flashinfer-python wheels' code and says what SM120 really gets."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from realwheels import site_packages
 
-import bwstack.features
-from bwstack import features, patches
+import bwstack.probe.features
+from bwstack.probe import features
+from bwstack.provision import patches
 
 SYMM = "sglang/srt/distributed/device_communicators/torch_symm_mem.py"
 GATE_059 = "sglang/srt/layers/communicator.py"
@@ -254,8 +255,8 @@ def test_an_env_without_the_packages_reports_not_installed(tmp_path: Path) -> No
 
 
 def test_features_imports_only_the_standard_library() -> None:
-    tree = ast.parse(Path(bwstack.features.__file__).read_text())
+    tree = ast.parse(Path(bwstack.probe.features.__file__).read_text())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0}
-    allowed = set(sys.stdlib_module_names) | {"__future__", "bwstack.envinspect"}
+    allowed = set(sys.stdlib_module_names) | {"__future__", "bwstack.probe.envinspect"}
     assert {m for m in imported if m.split(".")[0] not in allowed and m not in allowed} == set()

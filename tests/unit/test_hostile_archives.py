@@ -22,7 +22,7 @@ import pytest
 import zstandard
 from conftest import bwstack, needs_py312
 
-from bwstack.generations import Layout, Store
+from bwstack.store.generations import Layout, Store
 from fixtures import fakestack
 
 pytestmark = needs_py312

@@ -35,9 +35,9 @@ from pathlib import Path
 import pytest
 from conftest import REAL_LOCK, REPO, bwstack, needs_py312
 
-from bwstack import image
 from bwstack.errors import BwstackError, HashMismatchError, UsageError
-from bwstack.lockfile import load_lock
+from bwstack.image import build as image
+from bwstack.lock.model import load_lock
 from fixtures import fakestack
 
 DOCKER = REPO / "docker"
@@ -231,7 +231,7 @@ def test_the_tool_bundle_is_bwstack_its_pure_python_dependencies_and_uv(tool, tm
 
 @needs_py312
 def test_the_tool_bundle_runs_under_python312(tool, tmp_path):
-    from bwstack.envbuild import find_python
+    from bwstack.provision.envbuild import find_python
 
     with tarfile.open(tool.path) as tar:
         tar.extractall(tmp_path, filter="data")
@@ -387,8 +387,8 @@ def test_a_bad_wheel_in_the_wheelhouse_is_refused_by_its_path_before_docker_is_a
 
 
 def test_check_wheelhouses_hashes_every_selected_wheel_it_finds(tmp_path):
-    from bwstack.targets import Target
-    from bwstack.wheelhouse import select
+    from bwstack.lock.tags import Target
+    from bwstack.provision.wheelhouse import select
 
     lock_path, house = fakestack.make_stack(tmp_path)
     profile = load_lock(lock_path).profile("fixture-new")
@@ -417,7 +417,7 @@ def ci_wheelhouse() -> Path:
 def test_the_step_script_installs_a_layer_through_the_server_and_checks_hashes(tmp_path, tool, ci_wheelhouse):
     """The in-image step, run here as the Dockerfile runs it (its loader, the step script's sha256, the token in
     http_proxy): the real server, the real bundle, a real layer file, a real env."""
-    from bwstack.envbuild import find_python
+    from bwstack.provision.envbuild import find_python
 
     lock = load_lock(CI_LOCK)
     staged = image.stage_context(lock, lock.profile(None), tmp_path / "ctx", DOCKER / "Dockerfile")
@@ -735,7 +735,7 @@ def test_ci_image_passes_bwstack_image_verify(ci_image, ca_bundle):
         "image_layers_hold_no_copy_of_the_ca",
     ):
         assert checks.get(check) == "passed", (check, checks.get(check))
-    assert not _docker("ps", "-aq", "--filter", "label=io.bwstack.verify").stdout.strip()  # removed
+    assert not _docker("ps", "-aq", "--filter", "label=io.bwstack.checks.verify").stdout.strip()  # removed
     # against another lock's digest, the labels check fails (and so does the command)
     result = bwstack("--lock", str(CI_BUMP_LOCK), "image", "verify", ci_image["tag"], *skips, timeout=900)
     assert result.returncode == 1 and "FAIL  image_labels_carry_the_lock_digest" in result.stdout

@@ -17,10 +17,10 @@ import pytest
 import yaml
 from conftest import REAL_LOCK, bwstack
 
-from bwstack import lockread
-from bwstack.cli import main
+from bwstack.cli.main import main
 from bwstack.errors import LockError
-from bwstack.lockfile import GENERATED_MARKER, load_lock, parse_lock
+from bwstack.lock import read as lockread
+from bwstack.lock.model import GENERATED_MARKER, load_lock, parse_lock
 
 
 def _spec_and_closures() -> tuple[dict, dict]:
@@ -404,7 +404,7 @@ def test_editing_the_served_models_needs_no_relock():
     before = load_lock(REAL_LOCK).profile("cu128").spec_digest()
     doc = copy.deepcopy({**spec, "closures": closures})
     doc["profiles"]["cu128"]["expect"]["models"] = [{"model": "qwen3-30b-a3b", "tp": 4}]
-    from bwstack.lockfile import parse_lock
+    from bwstack.lock.model import parse_lock
 
     after = parse_lock(yaml.safe_dump(doc, sort_keys=False)).profile("cu128")
     assert after.spec_digest() == before and after.expect.models[0].model == "qwen3-30b-a3b"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from bwstack import manifest
+from bwstack.store import manifest
 
 
 def _entries(root):

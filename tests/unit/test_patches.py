@@ -1,4 +1,4 @@
-"""bwstack.patches against real sglang wheels from PyPI: hash-guarded, idempotent, reversible, atomic."""
+"""bwstack.provision.patches against real sglang wheels from PyPI: hash-guarded, idempotent, reversible, atomic."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from realwheels import site_packages, wheel_bytes
 
-from bwstack import patches
 from bwstack.errors import PreflightError, UsageError
-from bwstack.patches import PatchRefusedError
+from bwstack.provision import patches
+from bwstack.provision.patches import PatchRefusedError
 
 PATCH = "sglang-sm120-symm-mem"
 UTILS = "sglang/srt/distributed/device_communicators/all_reduce_utils.py"

@@ -84,8 +84,9 @@ def test_the_probe_zipapp_gives_the_same_verdict_without_bwstack_installed(tmp_p
     import subprocess
     import sys
 
-    from bwstack import preflight, probe_bundle
-    from bwstack.lockfile import load_lock
+    from bwstack.fleet import probe_bundle
+    from bwstack.lock.model import load_lock
+    from bwstack.probe import preflight
 
     pyz = probe_bundle.write(tmp_path / "probe.pyz")
     env = {**os.environ, **_fake_smi(tmp_path, ["NVIDIA RTX PRO 6000 Blackwell Server Edition, 12.0, 575.57.08"])}
@@ -105,8 +106,9 @@ def test_a_run_that_builds_nothing_needs_no_free_disk_margin(tmp_path):
     import subprocess
     import sys
 
-    from bwstack import preflight, probe_bundle
-    from bwstack.lockfile import load_lock
+    from bwstack.fleet import probe_bundle
+    from bwstack.lock.model import load_lock
+    from bwstack.probe import preflight
 
     pyz = probe_bundle.write(tmp_path / "probe.pyz")
     env = {**os.environ, **_fake_smi(tmp_path, ["NVIDIA RTX PRO 6000 Blackwell Server Edition, 12.0, 580.82.07"])}
@@ -131,9 +133,9 @@ def _node_facts_preflight(machine: str, profile: str = "cu130"):
     checks read this machine, which has no GPU: allowed, as for CPU-only targets)."""
     from conftest import MACHINES, REAL_LOCK
 
-    from bwstack import preflight
-    from bwstack.accept.machine import Machine
-    from bwstack.lockfile import load_lock
+    from bwstack.lock.model import load_lock
+    from bwstack.probe import preflight
+    from bwstack.probe.hw.machine import Machine
 
     req = preflight.requirements_of(load_lock(REAL_LOCK).profile(profile))
     return preflight.check(
@@ -165,7 +167,7 @@ def test_a_healthy_node_adds_no_refusal_and_no_warning():
 
 @pytest.mark.parametrize("requirements", ["{}", '{"accept": {"profile": "cu130"}}', "[1]", "not json"])
 def test_the_probe_refuses_malformed_requirements_with_one_line(capsys, requirements):
-    from bwstack import probe
+    from bwstack.probe import main as probe
 
     assert probe.main(["preflight", "--requirements", requirements]) == 2
     err = capsys.readouterr().err

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from conftest import needs_py312
 
-from bwstack.generations import Layout, Store
+from bwstack.store.generations import Layout, Store
 
 pytestmark = needs_py312
 
@@ -154,8 +154,8 @@ def test_the_kill_tests_cover_more_than_twenty_points():
 
 
 def _hand_made_env(stack) -> Path:
-    from bwstack.envbuild import find_python
-    from bwstack.uvtool import run_uv, uv_env
+    from bwstack.provision.envbuild import find_python
+    from bwstack.provision.uvtool import run_uv, uv_env
 
     subprocess.run([find_python("3.12"), "-m", "venv", "--without-pip", str(stack.ml_env)], check=True)
     old = [

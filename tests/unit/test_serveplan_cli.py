@@ -11,9 +11,9 @@ import zipfile
 import pytest
 from conftest import REAL_LOCK, bwstack
 
-from bwstack import probe_bundle
-from bwstack.cli import main
-from bwstack.serveplan import references
+from bwstack.cli.main import main
+from bwstack.fleet import probe_bundle
+from bwstack.probe.serveplan import references
 
 REFERENCES = {
     "llama-3.1-8b-instruct": "meta-llama/Llama-3.1-8B-Instruct",
@@ -114,7 +114,7 @@ def test_the_node_side_imports_only_the_standard_library_and_node_side_modules()
     from pathlib import Path
 
     root = Path(references.__file__).parent
-    allowed = {"bwstack.elfscan", "bwstack.envinspect", "bwstack.fatbin", "bwstack.features", "bwstack.probe",
+    allowed = {"bwstack.probe.elfscan", "bwstack.probe.envinspect", "bwstack.probe.fatbin", "bwstack.probe.features", "bwstack.probe.main",
                "bwstack.serveplan", "bwstack"}  # fmt: skip
     for name, extra in (("inenv.py", set()), ("node.py", allowed), ("references.py", allowed)):
         tree = ast.parse((root / name).read_text())

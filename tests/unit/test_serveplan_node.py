@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bwstack.serveplan import node
+from bwstack.probe.serveplan import node
 
 DEVICE = node.Device(node.SIMULATED, "12.0", 8, 98304, "NVIDIA RTX PRO 6000 Blackwell", "pcie")
 

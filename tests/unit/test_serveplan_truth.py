@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from conftest import needs_py312
 
-from bwstack import envinspect, fatbin
-from bwstack.serveplan import assemble, catalogue, node
+from bwstack.probe import envinspect, fatbin
+from bwstack.probe.serveplan import node
+from bwstack.serveplan import assemble, catalogue
 from bwstack.serveplan.records import Verdict
 
 pytestmark = [pytest.mark.slow, pytest.mark.network, needs_py312]

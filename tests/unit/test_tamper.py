@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import needs_py312
 
-from bwstack.generations import Layout, Store
+from bwstack.store.generations import Layout, Store
 
 pytestmark = needs_py312
 
@@ -304,7 +304,7 @@ def test_a_switch_whose_link_cannot_be_updated_is_undone_and_recorded(two, read_
 
 
 def test_adopt_takes_the_env_over(stack):
-    from bwstack.envbuild import find_python
+    from bwstack.provision.envbuild import find_python
 
     subprocess.run([find_python("3.12"), "-m", "venv", "--without-pip", str(stack.ml_env)], check=True)
     module = next(stack.ml_env.glob("lib/python3.*/site-packages")) / "handmade.py"

@@ -38,14 +38,16 @@ def _python(env: str | None) -> str | None:
         if not python.is_file() or not os.access(python, os.X_OK):
             raise UsageError(f"--env {env}: no Python there (expected an env directory or a python executable)")
         return str(python)
-    from bwstack.generations import Layout  # not bwstack.probe: that needs pyelftools, which a GPU host may lack
+    from bwstack.store.generations import (
+        Layout,  # not bwstack.probe.main: that needs pyelftools, which a GPU host may lack
+    )
 
     python = Layout.default().ml_env / "bin" / "python"
     return str(python) if python.is_file() else None
 
 
 def _machine(args: argparse.Namespace):
-    from bwstack.accept.machine import Machine, Recorder
+    from bwstack.probe.hw.machine import Machine, Recorder
 
     if args.machine is not None and args.record is not None:
         raise UsageError("--machine reads a recorded description and --record writes one: give one of them")
@@ -65,10 +67,10 @@ def _machine(args: argparse.Namespace):
 
 
 def cmd_accept(args: argparse.Namespace) -> int:
-    from bwstack.accept.collect import collect
-    from bwstack.accept.judge import Finding, Verdict, Want, judge_static
     from bwstack.accept.report import AcceptReport, NodeVerdict
-    from bwstack.lockfile import load_lock
+    from bwstack.lock.model import load_lock
+    from bwstack.probe.hw.collect import collect
+    from bwstack.probe.hw.judge import Finding, Verdict, Want, judge_static
 
     lock = load_lock(args.lock)
     profile = lock.profile(args.profile)

@@ -8,10 +8,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
-from bwstack.accept.facts import GENERATION_OF_SPEED, MachineFacts, jsonable
-from bwstack.accept.judge import Finding, Verdict
-from bwstack.accept.machine import Unknown
 from bwstack.accept.runtime import AllReduceRun, BenchRun
+from bwstack.probe.hw.facts import GENERATION_OF_SPEED, MachineFacts, jsonable
+from bwstack.probe.hw.judge import Finding, Verdict
+from bwstack.probe.hw.machine import Unknown
 
 
 class NodeVerdict(enum.Enum):

@@ -6,11 +6,11 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping, Sequence
 
-from bwstack.accept.facts import GENERATION_OF_SPEED, MachineFacts
-from bwstack.accept.judge import HANG_CAUSES, Finding, Verdict, Want
-from bwstack.accept.machine import Unknown
 from bwstack.accept.runtime import AllReduceRun, BenchRun, Status
-from bwstack.lockfile import Envelope, Figure
+from bwstack.lock.model import Envelope, Figure
+from bwstack.probe.hw.facts import GENERATION_OF_SPEED, MachineFacts
+from bwstack.probe.hw.judge import HANG_CAUSES, Finding, Verdict, Want
+from bwstack.probe.hw.machine import Unknown
 
 
 def _against(figure: Figure, value: float) -> Verdict:

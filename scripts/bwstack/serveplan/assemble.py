@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from bwstack import fatbin
+from bwstack.probe import fatbin
 from bwstack.serveplan.catalogue import Applies, Catalogue, Kind
 from bwstack.serveplan.records import Fix, Plan, PlanPath, Verdict
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from bwstack.lockfile import ServedModel
+from bwstack.lock.model import ServedModel
 from bwstack.serveplan import assemble, render
 from bwstack.serveplan.catalogue import Catalogue
 from bwstack.serveplan.records import Plan

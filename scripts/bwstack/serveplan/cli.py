@@ -44,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _env(args: argparse.Namespace) -> Path:
-    from bwstack.generations import Layout
+    from bwstack.store.generations import Layout
 
     env = Path(args.env) if args.env else Layout.default(args.root, args.ml_env, None).ml_env
     if not (env / "bin" / "python").exists():
@@ -53,7 +53,7 @@ def _env(args: argparse.Namespace) -> Path:
 
 
 def _model(value: str | None, option: str) -> str | None:
-    from bwstack.serveplan import references
+    from bwstack.probe.serveplan import references
 
     if value is None:
         return None
@@ -90,7 +90,7 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _list_models(args: argparse.Namespace) -> int:
-    from bwstack.serveplan import references
+    from bwstack.probe.serveplan import references
 
     rows = {name: references.source(name) for name in references.reference_names()}
     if args.json:
@@ -104,8 +104,9 @@ def _list_models(args: argparse.Namespace) -> int:
 
 
 def cmd_serve_plan(args: argparse.Namespace) -> int:
-    from bwstack.lockfile import load_lock
-    from bwstack.serveplan import assemble, catalogue, node, render
+    from bwstack.lock.model import load_lock
+    from bwstack.probe.serveplan import node
+    from bwstack.serveplan import assemble, catalogue, render
 
     if args.list_models:
         return _list_models(args)

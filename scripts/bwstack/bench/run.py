@@ -1,0 +1,405 @@
+"""`bwstack bench`: the performance figures of issue 8, each against its anchor measured in the same run.
+
+  P1 build of a profile's env from a warm cache (a fresh store sharing the cache) vs `pip install` of the
+     same closure from a local wheelhouse (and uv alone, for reference)
+  P2 rollback: the switch itself and the whole `rollback` (manifest check + switch + import check) vs a
+     reinstall of the env (pip from the wheelhouse, the field's way back)
+  P3 snapshot of the active env: time and extra disk vs `cp -a`; both for an unchanged generation (its own
+     backup) and for one someone pip-installed into (hard-link snapshot)
+  P4 converged re-run of the provision playbook (changed=0 expected)
+  P5 full static verify of the env (no GPU runtime part), and with the import checks
+  P6 image rebuild after an sglang-only bump vs a clean build
+
+Figures are wall-clock seconds: median, min and max of --runs runs. Ratios are anchor median / bwstack
+median. `--quick` uses a small real closure (a subset of the lock's) so CI can check the harness works;
+its numbers mean nothing. Goals are printed beside the figures; nothing here asserts them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from packaging.requirements import Requirement
+
+from bwstack.checks import verify
+from bwstack.lock.model import load_lock, spec_digest
+from bwstack.lock.read import load_yaml, read_lock_text
+from bwstack.lock.tags import Target
+from bwstack.probe import envinspect
+from bwstack.provision import backup, build
+from bwstack.provision.envbuild import find_python
+from bwstack.provision.uvtool import run_uv, uv_env
+from bwstack.provision.wheelhouse import Fetcher, Sources, select
+from bwstack.store.generations import Layout, Store, remove_tree
+
+QUICK_ROOTS = ("requests", "packaging", "typing-extensions")  # a small real closure from the cu128 lock
+
+
+@dataclass
+class Figure:
+    bench: str
+    what: str
+    runs: list[float]
+    unit: str = "s"
+    anchor: str = ""
+    anchor_runs: list[float] = field(default_factory=list)
+    goal: str = ""
+    note: str = ""
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.runs) if self.runs else float("nan")
+
+    @property
+    def ratio(self) -> float | None:
+        if not self.anchor_runs or not self.runs or self.median == 0:
+            return None
+        return statistics.median(self.anchor_runs) / self.median
+
+    def as_dict(self) -> dict:
+        return {**self.__dict__, "median": self.median, "ratio": self.ratio}
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def _fmt(values: list[float], unit: str) -> str:
+    if not values:
+        return "-"
+    if unit == "GiB":
+        return f"{statistics.median(values):.3f} GiB"
+    med = statistics.median(values)
+    return (
+        f"{med:.3f}s [{min(values):.3f}-{max(values):.3f}]"
+        if med < 10
+        else f"{med:.1f}s [{min(values):.1f}-{max(values):.1f}]"
+    )
+
+
+def render(figures: list[Figure]) -> str:
+    header = "| bench | measured | bwstack median [min-max] | anchor | anchor median [min-max] | ratio | goal |"
+    lines = [header, "|---|---|---|---|---|---|---|"]
+    for f in figures:
+        ratio = f"{f.ratio:.1f}x" if f.ratio is not None else "-"
+        lines.append(
+            f"| {f.bench} | {f.what} | {_fmt(f.runs, f.unit)} | {f.anchor or '-'} | {_fmt(f.anchor_runs, f.unit)} | "
+            f"{ratio} | {f.goal or '-'} |"
+        )
+    notes = [f"- {f.bench} {f.what}: {f.note}" for f in figures if f.note]
+    return "\n".join(lines + (["", *notes] if notes else []))
+
+
+class Bench:
+    def __init__(self, lock_path: Path, profile: str, work: Path, runs: int, quick: bool, log=print) -> None:
+        self.work = work
+        self.runs = runs
+        self.quick = quick
+        self.log = log
+        # One cache for every store below (wheels and uv's unpacked files); an existing BWSTACK_CACHE is reused.
+        self.cache = Path(os.environ.get("BWSTACK_CACHE") or work / "cache")
+        os.environ["BWSTACK_CACHE"] = str(self.cache)
+        self.lock_path = work / "bench.lock.yaml"
+        self._write_lock(lock_path, profile)
+        self.lock = load_lock(self.lock_path)
+        self.profile = self.lock.profile("bench")
+        self.twin = self.lock.profile("bench-unpatched")
+        self.python = find_python(self.profile.python)
+
+    def _write_lock(self, source: Path, profile: str) -> None:
+        """The benchmarked profile as `bench` (in quick mode: a small real subset of its closure), plus a
+        twin without patches, so that two real generations exist for the rollback figures."""
+        doc = load_yaml(read_lock_text(Path(source)), str(source))
+        spec = json.loads(json.dumps(doc["profiles"][profile]))
+        closure = json.loads(json.dumps(doc["closures"][profile]))
+        if self.quick:
+            env = closure["env"]
+            keep: set[str] = set()
+            stack = list(QUICK_ROOTS)
+            while stack:
+                name = stack.pop()
+                if name in env and name not in keep:
+                    keep.add(name)
+                    stack += [Requirement(r).name for r in env[name]["requires"]]
+            closure["env"] = {k: v for k, v in env.items() if k in keep}
+            spec["requirements"] = {k: env[k]["version"] for k in QUICK_ROOTS}
+            spec["overrides"] = []
+            spec["patches"] = []
+        twin = json.loads(json.dumps(spec))
+        twin["patches"] = []
+        if self.quick:  # a second, different closure: drop one leaf package
+            twin["requirements"] = {k: v for k, v in spec["requirements"].items() if k != "typing-extensions"}
+        doc["profiles"] = {"bench": spec, "bench-unpatched": twin}
+        twin_closure = json.loads(json.dumps(closure))
+        if self.quick:
+            twin_closure["env"].pop("typing-extensions", None)
+        # Each derived closure is what resolving its derived spec gives (a subset, by construction): say so.
+        closure["spec_digest"] = spec_digest(spec)
+        twin_closure["spec_digest"] = spec_digest(twin)
+        doc["closures"] = {"bench": closure, "bench-unpatched": twin_closure}
+        doc["default_profile"] = doc["rollback_profile"] = "bench"
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.lock_path.write_text(yaml.safe_dump(doc, sort_keys=False))
+
+    def layout(self, name: str) -> Layout:
+        return Layout(self.work / name / "root", self.work / name / "ml-env", None, None)
+
+    def wheelhouse(self) -> Path:
+        """The closure's wheels in one flat directory (links into the content-addressed store)."""
+        wheels = Fetcher(self.cache / "wheels", Sources(), log=lambda m: None).fetch_all(
+            select(self.profile.closure.env, Target.of(self.profile))
+        )
+        house = self.work / "wheelhouse"
+        house.mkdir(exist_ok=True)
+        for w in wheels.values():
+            link = house / w.file
+            if not link.exists():
+                link.symlink_to(w.path)
+        self.requirements = self.work / "requirements.txt"
+        self.requirements.write_text(
+            "".join(f"{w.package}=={w.version} --hash=sha256:{w.sha256}\n" for w in wheels.values())
+        )
+        return house
+
+    # ---------------------------------------------------------------------------------------------- anchors
+
+    def pip_install(self, house: Path) -> float:
+        venv = self.work / "pip-venv"
+        shutil.rmtree(venv, ignore_errors=True)
+        subprocess.run([self.python, "-m", "venv", str(venv)], check=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+        env["PIP_CONFIG_FILE"] = os.devnull
+        seconds = _timed(lambda: subprocess.run(
+            [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-index", "--find-links", str(house),
+             "--require-hashes", "--no-deps", "-r", str(self.requirements)], check=True, env=env))  # fmt: skip
+        shutil.rmtree(venv, ignore_errors=True)
+        return seconds
+
+    def uv_install(self) -> float:
+        venv = self.work / "uv-venv"
+        shutil.rmtree(venv, ignore_errors=True)
+        env = uv_env({"UV_CACHE_DIR": str(self.cache / "uv")})
+        run_uv(["venv", "--python", self.python, str(venv)], env=env, capture=True)
+        seconds = _timed(lambda: run_uv(
+            ["pip", "install", "--python", str(venv / "bin" / "python"), "--no-index", "--find-links",
+             str(self.work / "wheelhouse"), "--require-hashes", "--no-deps", "-r", str(self.requirements)],
+            env=env, capture=True))  # fmt: skip
+        shutil.rmtree(venv, ignore_errors=True)
+        return seconds
+
+    # ---------------------------------------------------------------------------------------------- benches
+
+    def p1(self) -> list[Figure]:
+        house = self.wheelhouse()
+        self.log("P1: warming the cache with one build ...")
+        quiet = build.BuildOptions(switch=False)
+        build.build(self.lock, self.profile, self.layout("warm"), quiet, log=lambda m: None)
+        ours = []
+        for i in range(self.runs):
+            layout = self.layout(f"p1-{i}")
+            started = time.perf_counter()
+            build.build(self.lock, self.profile, layout, quiet, log=lambda m: None)
+            ours.append(time.perf_counter() - started)
+            remove_tree(layout.root.parent)
+        self.log(f"P1: bwstack {ours}; pip from the wheelhouse ...")
+        pip = [self.pip_install(house) for _ in range(self.runs)]
+        uv = [self.uv_install() for _ in range(self.runs)]
+        anchor = "pip install (local wheelhouse)"
+        return [
+            Figure("P1", "build env (warm cache), incl. verify + manifest", ours, anchor=anchor, anchor_runs=pip,
+                   goal=">= 20x faster than pip"),
+            Figure("P1", "uv install step alone (what bwstack runs)", uv, anchor=anchor, anchor_runs=pip,
+                   note="the floor: uv hard-links from its cache"),
+        ]  # fmt: skip
+
+    def _two_generations(self) -> Store:
+        layout = self.layout("p2")
+        store = Store(layout, log=lambda m: None)
+        if len(store.generations()) < 2:
+            build.build(self.lock, self.profile, layout, build.BuildOptions(), log=lambda m: None)
+            build.build(self.lock, self.twin, layout, build.BuildOptions(), log=lambda m: None)
+        return store
+
+    def p2(self, pip_runs: list[float]) -> list[Figure]:
+        store = self._two_generations()
+        layout = store.layout
+        flips, totals, post = [], [], []
+        for _ in range(self.runs):
+            for target in (store.generations()[0], store.generations()[1]):
+                started = time.perf_counter()
+                result = build.rollback(self.lock, layout, to=target.name, log=lambda m: None)
+                totals.append(time.perf_counter() - started)
+                flips.append(result["switch"]["flip_s"])
+                post.append(result["switch"]["post_check"]["seconds"])
+        anchor = "reinstall (pip, wheelhouse)"
+        note = f"of which the post-switch import of torch: median {statistics.median(post):.2f}s"
+        return [
+            Figure("P2", "switch (the atomic flip)", flips, anchor=anchor, anchor_runs=pip_runs,
+                   goal="<= 1 s, >= 100x"),
+            Figure("P2", "rollback command (verify + flip + import check)", totals, anchor=anchor, anchor_runs=pip_runs,
+                   note=note),
+        ]  # fmt: skip
+
+    def p3(self) -> list[Figure]:
+        store = self._two_generations()
+        layout = store.layout
+        env_bytes = sum(e.size for e in store.active().manifest_entries() if e.kind == "f")
+        unchanged, unchanged_disk, drift, drift_disk, cp_time, cp_disk = [], [], [], [], [], []
+        quiet = {"log": lambda m: None}
+        for _ in range(self.runs):
+            before = _inodes(layout.generations)
+            unchanged.append(_timed(lambda: backup.backup(store, self.lock, **quiet)))
+            unchanged_disk.append(_extra(layout.generations, before) / 2**30)
+            site = envinspect.site_packages(store.active().env)
+            # what a `pip install` into the env leaves behind: a new file (installers never write in place)
+            (site / f"bench_drift_{time.time_ns()}.py").write_text("X = 1\n")
+            before = _inodes(layout.generations)
+            drift.append(_timed(lambda: backup.backup(store, self.lock, **quiet)))
+            drift_disk.append(_extra(layout.generations, before) / 2**30)
+            source, dest = str(store.active().env), self.work / "cp-a"
+            started = time.perf_counter()
+            subprocess.run(["cp", "-a", source, str(dest)], check=True)
+            cp_time.append(time.perf_counter() - started)
+            cp_disk.append(_du(dest) / 2**30)
+            shutil.rmtree(dest)
+        size = f"env {env_bytes / 2**30:.1f} GiB"
+        return [
+            Figure("P3", "snapshot, unchanged generation", unchanged, anchor="cp -a", anchor_runs=cp_time,
+                   goal="<= 5 s"),
+            Figure("P3", "extra disk, unchanged generation", unchanged_disk, unit="GiB", anchor="cp -a",
+                   anchor_runs=cp_disk, goal="<= 1 % extra", note=size),
+            Figure("P3", "snapshot after a pip install into it", drift, anchor="cp -a", anchor_runs=cp_time,
+                   goal="<= 5 s"),
+            Figure("P3", "extra disk after a pip install into it", drift_disk, unit="GiB", anchor="cp -a",
+                   anchor_runs=cp_disk, goal="<= 1 % extra",
+                   note=f"{size}; hard links: directories and changed files only"),
+        ]  # fmt: skip
+
+    def p4(self) -> list[Figure]:
+        """`bwstack provision` (the playbooks, against this host) once to converge, then timed re-runs."""
+        base = self.work / "p4"
+        cmd = [
+            sys.executable, "-m", "bwstack", "--lock", str(self.lock_path), "provision", "--profile", "bench",
+            "--allow-no-gpu", "--min-free-gb", "5", "--root", str(base / "root"), "--ml-env", str(base / "ml-env"),
+            "--cuda-link", "none", "--cuda-method", "none",
+            "--skip", "nvcc=the CUDA 12.x toolkit from PyPI wheels has no nvcc",
+            "-e", json.dumps({"bwstack_tool_wrapper": ""}),  # a scratch store: not this machine's bwstack on PATH
+        ]  # fmt: skip
+        first = subprocess.run(cmd, capture_output=True, text=True)
+        if first.returncode != 0:
+            tail = " ".join(first.stdout.strip().splitlines()[-3:])[-300:]
+            return [Figure("P4", "converged provision re-run", [], note=f"not run: the first provision failed: {tail}")]
+        runs, changed = [], []
+        for _ in range(self.runs):
+            started = time.perf_counter()
+            again = subprocess.run(cmd, capture_output=True, text=True)
+            runs.append(time.perf_counter() - started)
+            changed += [int(c) for c in re.findall(r"changed=(\d+)", again.stdout)]
+        note = f"changed= per run: {changed}; includes the full verify on the node" + (
+            "" if not any(changed) else " (NOT converged)"
+        )
+        return [Figure("P4", "converged provision re-run (playbook, this host)", runs, goal="<= 30 s, changed=0",
+                       note=note)]  # fmt: skip
+
+    def p5(self) -> list[Figure]:
+        store = self._two_generations()
+        env = str(store.layout.ml_env)
+        static = [_timed(lambda: verify.run_checks("local://", lock_path=str(self.lock_path), env=env, runtime=False,
+                                                   extra_args=["--stack-no-imports"]))
+                  for _ in range(self.runs)]  # fmt: skip
+        full = [_timed(lambda: verify.run_checks("local://", lock_path=str(self.lock_path), env=env, runtime=False))
+                for _ in range(self.runs)]  # fmt: skip
+        return [
+            Figure("P5", "static verify (no imports, no GPU)", static, goal="<= 30 s"),
+            Figure("P5", "verify with import checks (no GPU)", full),
+        ]
+
+    def p6(self) -> list[Figure]:
+        """Clean image build, then a rebuild after an sglang-only bump (one run each: minutes per build)."""
+        from bwstack.image import build as image
+
+        try:
+            base = image.ensure_bench_base()
+            with tempfile.TemporaryDirectory(prefix="bwstack-bench-") as tmp:
+                bumped = image.sglang_only_bump(str(self.lock_path), "bench", "0.5.10", Path(tmp, "b.lock.yaml"))
+                opts = image.BuildOptions(wheelhouses=[str(self.work / "wheelhouse")], base_image=base)
+                result = image.bench_rebuild(str(self.lock_path), str(bumped), "bench", opts=opts, log=lambda m: None,
+                                             out=lambda m: None)  # fmt: skip
+        except Exception as exc:  # no daemon or base image: the table says so
+            return [Figure("P6", "image rebuild after an sglang bump", [], note=f"not run: {exc}")]
+        note = (
+            f"base {base}; changed layers {result['changed_layers']}; {len(result['rebuilt_run_steps'])} RUN steps "
+            f"rebuilt, {result['cached_steps']} of {result['steps']} steps from cache; one run each"
+        )
+        return [Figure("P6", "image rebuild after an sglang-only bump", [result["rebuild_seconds"]],
+                       anchor="clean build", anchor_runs=[result["clean_build_seconds"]], note=note)]  # fmt: skip
+
+
+def _inodes(path: Path) -> set[tuple[int, int]]:
+    seen = set()
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            st = os.lstat(os.path.join(dirpath, name))
+            seen.add((st.st_dev, st.st_ino))
+    return seen
+
+
+def _extra(path: Path, before: set[tuple[int, int]]) -> int:
+    """Bytes of inodes under path that did not exist before (what a snapshot really added)."""
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            st = os.lstat(os.path.join(dirpath, name))
+            if (st.st_dev, st.st_ino) not in before:
+                total += st.st_blocks * 512
+                before.add((st.st_dev, st.st_ino))
+    return total
+
+
+def _du(path: Path) -> int:
+    return _extra(path, set())
+
+
+def run(lock: str, profile: str, work: str, runs: int, quick: bool, only: list[str] | None, log=print) -> list[Figure]:
+    bench = Bench(Path(lock), profile, Path(work), runs, quick, log)
+    wanted = set(only or ["P1", "P2", "P3", "P4", "P5", "P6"])
+    figures: list[Figure] = []
+    pip_runs: list[float] = []
+    if "P1" in wanted or "P2" in wanted:
+        p1 = bench.p1()
+        pip_runs = p1[0].anchor_runs
+        if "P1" in wanted:
+            figures += p1
+    for key, fn in (
+        ("P2", lambda: bench.p2(pip_runs)),
+        ("P3", bench.p3),
+        ("P4", bench.p4),
+        ("P5", bench.p5),
+        ("P6", bench.p6),
+    ):
+        if key in wanted:
+            log(f"{key} ...")
+            figures += fn()
+    return figures
+
+
+def machine() -> str:
+    cpus = os.cpu_count()
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (
+        f"{cpus} cores, {mem:.0f} GiB RAM, Python {sys.version.split()[0]}, {os.uname().sysname} {os.uname().release}"
+    )

@@ -1,0 +1,24 @@
+"""Where bwstack's own files are: the checkout it runs from (editable install) or the copies inside the package.
+
+Every layer asks here instead of counting `parents[...]` from its own file, which breaks whenever a module moves.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent
+DATA = PACKAGE / "data"
+_CHECKOUT = PACKAGE.parents[1]
+
+
+def checkout() -> Path | None:
+    """bwstack's own checkout when it runs from one (scripts/bwstack inside a tree with pyproject.toml)."""
+    if (_CHECKOUT / "pyproject.toml").is_file() and (_CHECKOUT / "scripts" / "bwstack").is_dir():
+        return _CHECKOUT
+    return None
+
+
+def in_checkout(*parts: str) -> Path | None:
+    root = checkout()
+    return root.joinpath(*parts) if root else None

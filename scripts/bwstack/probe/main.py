@@ -1,0 +1,640 @@
+"""The verify probe: collects facts about a node's env and GPU, statically and by running small things.
+
+Runs on the target host (shipped as a zipapp with pyelftools) with any Python 3.10+; only the standard
+library, pyelftools and bwstack's other probe modules (envinspect, elfscan, fatbin, features, serveplan's node
+side). It prints one JSON document; the checks in tests/infra judge it against the lock on the controller.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from bwstack.probe import elfscan, envinspect, fatbin, features, waivers
+
+PROBE_VERSION = 1
+DRIVER_LIBS = {"libcuda.so.1", "libnvidia-ml.so.1"}
+TORCH_NEEDED = re.compile(r"^lib(torch|c10)")
+SKIP_TOP = {"torch", "nvidia", "triton", "cuda", "numpy", "scipy"}  # not torch extensions (or torch itself)
+
+
+def _run(cmd: list[str], timeout: int = 120, env: dict | None = None) -> tuple[int, str, str]:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except FileNotFoundError:
+        return 127, "", f"{cmd[0]}: not found"
+    except subprocess.TimeoutExpired:
+        return 124, "", f"{' '.join(cmd)}: timed out after {timeout}s"
+    return out.returncode, out.stdout, out.stderr
+
+
+def default_env() -> Path:
+    value = os.environ.get("BWSTACK_ML_ENV")
+    if value:
+        return Path(value)
+    return Path("/opt/ml-env") if os.geteuid() == 0 else Path.home() / "ml-env"
+
+
+# ------------------------------------------------------------------------------------------------ host/gpu
+
+
+def host_facts() -> dict:
+    os_release = {}
+    try:
+        for line in Path("/etc/os-release").read_text().splitlines():
+            key, _, value = line.partition("=")
+            os_release[key] = value.strip('"')
+    except OSError:
+        pass
+    return {
+        "hostname": socket.gethostname(),
+        "os": os_release.get("PRETTY_NAME", platform.platform()),
+        "glibc": platform.libc_ver()[1],
+        "probe_python": platform.python_version(),
+        "uid": os.geteuid(),
+        "free_bytes": shutil.disk_usage("/").free,
+    }
+
+
+def gpu_facts() -> dict:
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return {"present": False, "reason": "nvidia-smi not found: no NVIDIA driver on this host", "gpus": []}
+    code, out, err = _run(
+        [smi, "--query-gpu=index,name,compute_cap,driver_version,memory.total", "--format=csv,noheader,nounits"]
+    )
+    if code != 0:
+        return {"present": False, "reason": f"nvidia-smi failed: {(err or out).strip()[:300]}", "gpus": []}
+    gpus = []
+    driver = None
+    for line in out.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) >= 5:
+            gpus.append({"index": int(parts[0]), "name": parts[1], "capability": parts[2], "memory_mib": parts[4]})
+            driver = parts[3]
+    return {"present": bool(gpus), "reason": "" if gpus else "nvidia-smi lists no GPU", "driver": driver, "gpus": gpus}
+
+
+# ------------------------------------------------------------------------------------------------ env
+
+
+def _torch_version_py(sp: Path) -> dict:
+    path = sp / "torch" / "version.py"
+    if not path.is_file():
+        return {}
+    text = path.read_text()
+    found = dict(re.findall(r"^(__version__|cuda|git_version)\s*[:=].*?['\"]([^'\"]*)['\"]", text, re.M))
+    cuda = re.search(r"^cuda\s*(?::[^=]*)?=\s*(None|['\"]([^'\"]*)['\"])", text, re.M)
+    return {"version": found.get("__version__"), "cuda": cuda.group(2) if cuda and cuda.group(2) else None}
+
+
+def _requires(dist: envinspect.Installed) -> list[str]:
+    import email.parser
+
+    text = (dist.dist_info / "METADATA").read_text(encoding="utf-8", errors="replace")
+    message = email.parser.Parser().parsestr(text, headersonly=True)
+    return [r.strip() for r in message.get_all("Requires-Dist") or []]
+
+
+def env_facts(env: Path) -> dict:
+    real = env.resolve()
+    facts: dict = {"path": str(env), "real": str(real), "exists": env.exists()}
+    if not env.exists():
+        return facts
+    sp = envinspect.site_packages(env)
+    facts["site_packages"] = str(sp)
+    facts["python"] = envinspect.env_python_version(env)
+    facts["installed"] = {
+        name: {"version": d.version, "requires": _requires(d), "installer": d.installer}
+        for name, d in envinspect.installed(env).items()
+    }
+    record = real.parent / "record.json"
+    if record.is_file():
+        data = json.loads(record.read_text())
+        facts["generation"] = {
+            "name": real.parent.name,
+            "profile": data.get("profile"),
+            "nearest_profile": data.get("nearest_profile"),
+            "lock_digest": data.get("lock_digest"),
+            "cuda_home": data.get("cuda_home"),
+            "verification": data.get("verification", {}).get("status"),
+        }
+    facts["torch_version_py"] = _torch_version_py(sp)
+    facts["store"] = store_facts(env)
+    return facts
+
+
+def store_facts(env: Path) -> dict:
+    """The store the env belongs to and the waivers it remembers (what provisioning was told to waive)."""
+    root = waivers.store_of_env(env)
+    if root is None:
+        return {"root": None, "waivers": []}
+    try:
+        remembered = waivers.load(root)
+    except ValueError as exc:
+        return {"root": str(root), "waivers": [], "waivers_error": str(exc)}
+    return {"root": str(root), "waivers": [{"check": w.check, "reason": w.reason} for w in remembered]}
+
+
+# ------------------------------------------------------------------------------------------------ CUDA
+
+
+COMPILE_SOURCE = "__global__ void k(float *x) { x[threadIdx.x] *= 2.0f; }\n"
+
+
+def cuda_facts(env: Path, capability: str) -> dict:
+    python = env / "bin" / "python"
+    facts: dict = {}
+    code = "import os, shutil; print(os.environ.get('CUDA_HOME') or ''); print(shutil.which('nvcc') or '')"
+    scrubbed = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    rc, out, err = _run([str(python), "-c", code], env=scrubbed)
+    lines = ([*out.splitlines(), "", ""])[:2] if rc == 0 else ["", ""]
+    facts["cuda_home_env"] = lines[0] or None
+    facts["nvcc_on_path"] = lines[1] or None
+    home = lines[0] or (str(Path(lines[1]).resolve().parents[1]) if lines[1] else "")
+    facts["cuda_home"] = home or None
+    facts["cuda_home_real"] = str(Path(home).resolve()) if home else None
+    nvcc = Path(home, "bin", "nvcc") if home else None
+    facts["nvcc"] = str(nvcc) if nvcc and nvcc.is_file() else None
+    if facts["nvcc"]:
+        rc, out, _ = _run([facts["nvcc"], "--version"])
+        match = re.search(r"release (\d+\.\d+), V([\d.]+)", out)
+        facts["nvcc_version"] = match.group(2) if match else None
+        major, minor = capability.split(".")
+        arch = f"sm_{major}{minor}a"
+        with tempfile.TemporaryDirectory(prefix="bwstack-nvcc-") as tmp:
+            src = Path(tmp, "k.cu")
+            src.write_text(COMPILE_SOURCE)
+            rc, out, err = _run(
+                [facts["nvcc"], f"-arch={arch}", "-cubin", "-o", str(Path(tmp, "k.cubin")), str(src)], timeout=300
+            )
+        facts["compile"] = {"arch": arch, "ok": rc == 0, "error": (err or out).strip()[-600:] if rc else ""}
+    marker = Path(home, "bwstack-toolkit.json") if home else None
+    if marker and marker.is_file():
+        facts["toolkit_marker"] = json.loads(marker.read_text())
+    return facts
+
+
+# ------------------------------------------------------------------------------------------------ ELF
+
+
+def _so_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*.so*") if p.is_file() and not p.is_symlink() and ".so" in p.name)
+
+
+def extension_files(sp: Path) -> list[Path]:
+    """Shared objects outside torch that link against libtorch/libc10: torch extensions (sgl-kernel, ...)."""
+    out = []
+    for top in sorted(sp.iterdir()):
+        if not top.is_dir() or top.name in SKIP_TOP or top.name.endswith(".dist-info") or top.name == "__pycache__":
+            continue
+        for so in _so_files(top):
+            try:
+                if any(TORCH_NEEDED.match(n) for n in elfscan.needed(so)):
+                    out.append(so)
+            except (elfscan.NotElfError, OSError):
+                continue
+    return out
+
+
+def torch_preloads(sp: Path, torch_cuda: str | None) -> dict[str, str]:
+    """Libraries `import torch` loads by hand (`_preload_cuda_deps` in _load_global_deps, read from the
+    installed torch/__init__.py): nvrtc and nvJitLink, which extensions such as sgl-kernel then rely on."""
+    init = sp / "torch" / "__init__.py"
+    if not init.is_file():
+        return {}
+    text = init.read_text(errors="replace")
+    body = text.split("def _load_global_deps", 1)[-1].split("except OSError", 1)[0]
+    found: dict[str, str] = {}
+    major = (torch_cuda or "").split(".")[0]
+    for folder, pattern in re.findall(r'_preload_cuda_deps\(\s*"([^"]+)",\s*"([^"]+)"', body):
+        dirs = [sp / "nvidia" / folder / "lib"] + ([sp / "nvidia" / f"cu{major}" / "lib"] if major else [])
+        for directory in dirs:
+            hits = sorted(directory.glob(pattern)) if directory.is_dir() else []
+            if hits:
+                found[hits[0].name] = str(hits[0])
+                break
+    return found
+
+
+def _alternative_key(path: Path) -> str:
+    """Files a package chooses between at run time share a name up to their digits (torchcodec's
+    libtorchcodec_core4..8 for FFmpeg 4..8; torch_c_dlpack_ext's addon_torch24..29 per torch release)."""
+    return str(path.parent / re.sub(r"\d+", "#", path.name))
+
+
+def elf_facts(env: Path, sp: Path, torch_version: dict) -> dict:
+    torch_lib = sp / "torch" / "lib"
+    facts: dict = {"torch_lib": str(torch_lib) if torch_lib.is_dir() else None, "extensions": [], "torch_libs": []}
+    if not torch_lib.is_dir():
+        return facts
+    system = elfscan.system_library_dirs()
+    preloaded = dict(elfscan.torch_loaded(str(torch_lib), system))
+    preloaded.update(torch_preloads(sp, torch_version.get("cuda")))
+    interpreter = (env / "bin" / "python").resolve()
+    with contextlib.suppress(elfscan.NotElfError, OSError):
+        preloaded.update({k: v for k, v in elfscan.load_closure([interpreter], system).items() if v})
+    facts["preloaded"] = sorted(k for k, v in preloaded.items() if v)
+    cpu = torch_lib / "libtorch_cpu.so"
+    facts["torch_cxx11_abi"] = elfscan.cxx11_abi(cpu) if cpu.exists() else None
+    for lib in sorted(torch_lib.glob("lib*.so*")):
+        try:
+            needed = elfscan.needed(lib)
+        except (elfscan.NotElfError, OSError):
+            continue
+        cudart = sorted(n for n in needed if n.startswith("libcudart.so"))
+        facts["torch_libs"].append({"path": str(lib.relative_to(sp)), "cudart": cudart})
+    version = re.match(r"(\d+)\.(\d+)", torch_version.get("version") or "")
+    torch_tag = f"torch{version.group(1)}{version.group(2)}" if version else None
+    for so in extension_files(sp):
+        rel = str(so.relative_to(sp))
+        if torch_tag and re.search(r"torch\d\d", so.name) and torch_tag not in so.name:
+            continue  # an addon for another torch release: never loaded with this torch
+        # Packages load their own helper libraries by path before their extensions (torchaudio's
+        # libtorchaudio.so, torchcodec's libtorchcodec_core*.so): a NEEDED name that is a file of the same
+        # package counts as loaded, and its exports count as providers.
+        package_dir = sp / so.relative_to(sp).parts[0]
+        local = {p.name: str(p) for p in _so_files(package_dir)}
+        scope = {**preloaded, **{n: local[n] for n in elfscan.needed(so) if n in local}}
+        resolved = elfscan.resolve_needed(so, system, preloaded=scope)
+        unresolved = sorted(n for n, p in resolved.items() if p is None)
+        siblings: list[str] = []
+        queue = [n for n in elfscan.needed(so) if n in local]
+        while queue:
+            name = queue.pop()
+            if local[name] not in siblings:
+                siblings.append(local[name])
+                queue += [n for n in elfscan.needed(local[name]) if n in local]
+        try:
+            report = elfscan.abi_report(so, torch_lib, extra_providers=siblings)
+            missing = report.missing + [f"(library {n} is not in torch/lib)" for n in report.missing_libraries]
+            checked = report.checked
+        except Exception as exc:  # report it as a finding; one unreadable file must not hide the others
+            missing, checked = [f"(ABI check failed: {exc})"], None
+        needed = elfscan.needed(so)
+        facts["extensions"].append(
+            {
+                "path": rel,
+                "package": so.relative_to(sp).parts[0],
+                "alternatives": _alternative_key(so.relative_to(sp)),
+                "needed": needed,
+                "cudart": sorted(n for n in needed if n.startswith("libcudart.so")),
+                "unresolved": [n for n in unresolved if n not in DRIVER_LIBS],
+                "unresolved_driver_libs": [n for n in unresolved if n in DRIVER_LIBS],
+                "missing_torch_symbols": missing,
+                "torch_symbols_checked": checked,
+                "cxx11_abi": elfscan.cxx11_abi(so),
+            }
+        )
+    return facts
+
+
+# ------------------------------------------------------------------------------------------------ fatbins
+
+
+def _fatbin_summary(path: Path, capability: str) -> dict:
+    try:
+        found = fatbin.entries(path)
+    except (elfscan.NotElfError, fatbin.FatbinError, OSError) as exc:
+        return {"path": str(path), "error": str(exc)}
+    ok, reason = fatbin.covers(found, capability)
+    return {
+        "path": str(path),
+        "summary": fatbin.summary(path),
+        "covers": ok,
+        "reason": reason,
+        "has_device_code": any(not e.relocatable for e in found),
+    }
+
+
+def _cubin_arch(path: Path) -> str | None:
+    """sm_XY of a standalone cubin (ELF e_flags bits 8-15 hold the SM number)."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(64)
+    except OSError:
+        return None
+    if head[:4] != b"\x7fELF" or len(head) < 52:
+        return None
+    flags = int.from_bytes(head[48:52], "little")
+    return f"sm_{(flags >> 8) & 0xFF}"
+
+
+def fatbin_facts(sp: Path, capability: str) -> dict:
+    facts: dict = {}
+    torch_lib = sp / "torch" / "lib"
+    if torch_lib.is_dir():
+        facts["torch"] = [_fatbin_summary(p, capability) for p in sorted(torch_lib.glob("libtorch_cuda*.so"))]
+    sgl = sp / "sgl_kernel"
+    if sgl.is_dir():
+        # sgl_kernel/__init__ loads sm90/common_ops only on capability 9.0; SM120 (and no GPU) gets sm100/
+        variant = "sm90" if capability == "9.0" else "sm100"
+        facts["sgl_kernel_variant"] = variant
+        facts["sgl_kernel"] = [_fatbin_summary(p, capability) for p in sorted((sgl / variant).glob("common_ops*.so"))]
+        facts["sgl_kernel_other"] = [_fatbin_summary(p, capability) for p in sorted(sgl.glob("*.so"))]
+    cubin_dir = sp / "flashinfer_cubin"
+    if cubin_dir.is_dir():
+        archs: dict[str, int] = {}
+        for path in cubin_dir.rglob("*.cubin"):
+            arch = _cubin_arch(path) or "unknown"
+            archs[arch] = archs.get(arch, 0) + 1
+        facts["flashinfer_cubin"] = {"cubins": sum(archs.values()), "archs": dict(sorted(archs.items()))}
+    jit = sp / "flashinfer_jit_cache"
+    if jit.is_dir():
+        summaries = [_fatbin_summary(p, capability) for p in _so_files(jit)]
+        facts["flashinfer_jit_cache"] = {
+            "files": len(summaries),
+            "covering": sum(1 for s in summaries if s.get("covers")),
+            "with_device_code": sum(1 for s in summaries if s.get("has_device_code")),
+        }
+    return facts
+
+
+# ------------------------------------------------------------------------------------------------ imports
+
+
+IMPORTS = {
+    "torch": "import torch",
+    "sgl_kernel": "import sgl_kernel",
+    "flashinfer": "import flashinfer",
+    "sglang": "import sglang, sglang.srt.distributed.device_communicators.torch_symm_mem",
+}
+
+
+def _stub_libcuda(sp: Path, out_dir: Path) -> Path | None:
+    """A stand-in libcuda.so.1 exporting the driver symbols the extensions import, so their other links can be
+    exercised on a host with no NVIDIA driver. Needs gcc; returns None without it."""
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    if not gcc:
+        return None
+    names: set[str] = set()
+    for so in extension_files(sp):
+        if "libcuda.so.1" in elfscan.needed(so):
+            names.update(s.name for s in elfscan.undefined_symbols(so) if s.name.startswith("cu"))
+    if not names:
+        return None
+    src = out_dir / "stub.c"
+    src.write_text("".join(f"int {n}(void) {{ return 34; }}\n" for n in sorted(names)))  # 34: CUDA_ERROR_STUB_LIBRARY
+    lib = out_dir / "libcuda.so.1"
+    rc, _, _err = _run([gcc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(lib), str(src)])
+    return lib if rc == 0 else None
+
+
+IMPORT_SCRIPT = r"""
+import json, sys, traceback
+out = {}
+for name, statement in json.loads(sys.argv[1]).items():
+    try:
+        exec(statement, {})
+        out[name] = {"ok": True, "error": ""}
+    except BaseException as exc:  # report every module, whatever one of them raises
+        out[name] = {"ok": False, "error": "".join(traceback.format_exception_only(type(exc), exc))}
+print("BWSTACK-IMPORTS " + json.dumps(out))
+"""
+
+
+def _import_all(python: str, statements: dict[str, str], env: dict) -> dict[str, dict]:
+    """Import the modules in one interpreter (torch loads once: ~4x faster than one process each); if that
+    interpreter dies (a segfault in an extension), fall back to one process per module."""
+    rc, out, err = _run([python, "-c", IMPORT_SCRIPT, json.dumps(statements)], timeout=900, env=env)
+    for line in out.splitlines():
+        if line.startswith("BWSTACK-IMPORTS "):
+            return json.loads(line.split(" ", 1)[1])
+    results = {}
+    for name, statement in statements.items():
+        rc, _out, err = _run([python, "-c", statement], timeout=600, env=env)
+        results[name] = {"ok": rc == 0, "error": err if rc else ""}
+    return results
+
+
+def import_facts(env: Path, sp: Path, gpu_present: bool) -> dict:
+    python = str(env / "bin" / "python")
+    base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    results: dict = {m: {"installed": False} for m in IMPORTS if not (sp / m).is_dir()}
+    wanted = {m: stmt for m, stmt in IMPORTS.items() if m not in results}
+    first = _import_all(python, wanted, base) if wanted else {}
+    blocked = []
+    for module, outcome in first.items():
+        results[module] = {"installed": True, "ok": outcome["ok"], "error": _last_error(outcome["error"])}
+        if not outcome["ok"] and "libcuda.so.1" in outcome["error"] and not gpu_present:
+            results[module]["blocked_by_missing_driver"] = True
+            blocked.append(module)
+    if blocked:
+        stub_dir = Path(tempfile.mkdtemp(prefix="bwstack-stub-"))
+        try:
+            stub = _stub_libcuda(sp, stub_dir)
+            if stub is None:
+                for module in blocked:
+                    results[module]["with_stub_libcuda"] = {
+                        "ok": None,
+                        "error": "no C compiler here to build a stand-in libcuda.so.1",
+                    }
+            else:
+                env_stub = {**base, "LD_LIBRARY_PATH": f"{stub_dir}:{base.get('LD_LIBRARY_PATH', '')}"}
+                again = _import_all(python, {m: IMPORTS[m] for m in blocked}, env_stub)
+                for module, outcome in again.items():
+                    results[module]["with_stub_libcuda"] = {
+                        "ok": outcome["ok"],
+                        "error": _last_error(outcome["error"]) if not outcome["ok"] else "",
+                    }
+        finally:
+            shutil.rmtree(stub_dir, ignore_errors=True)
+    return results
+
+
+ROOT_CAUSES = ("undefined symbol", "cannot open shared object file", "version `GLIBC", "no kernel image")
+
+
+def _last_error(stderr: str) -> str:
+    """The line that says why: a loader error buried in a wrapper message (sgl_kernel's "Could not load any
+    common_ops library" lists them below), else the last exception line."""
+    lines = [line for line in stderr.strip().splitlines() if line.strip()]
+    for cause in ROOT_CAUSES:
+        for line in lines:
+            if cause in line:
+                return line.strip().lstrip("- ")[:600]
+    for line in reversed(lines):
+        if re.match(r"^\w*(Error|Exception)\b", line) or "Error:" in line:
+            return line.strip()[:600]
+    return (lines[-1] if lines else "").strip()[:600]
+
+
+# ------------------------------------------------------------------------------------------------ runtime
+
+RUNTIME_SCRIPT = r"""
+import json, os, sys
+out = {}
+try:
+    import torch
+except Exception as exc:
+    print(json.dumps({"error": f"import torch: {exc}"})); sys.exit(0)
+out["cuda_available"] = torch.cuda.is_available()
+n = torch.cuda.device_count()
+out["device_count"] = n
+devices = []
+for i in range(n):
+    d = {"index": i, "name": torch.cuda.get_device_name(i), "capability": "%d.%d" % torch.cuda.get_device_capability(i)}
+    try:
+        a = torch.randn(512, 512, device=f"cuda:{i}")
+        b = torch.randn(512, 512, device=f"cuda:{i}")
+        ref = (a.double().cpu() @ b.double().cpu())
+        got = (a @ b).double().cpu()
+        d["matmul_max_rel_err"] = float(((got - ref).abs().max() / ref.abs().max()).item())
+        d["matmul_ok"] = d["matmul_max_rel_err"] < 1e-2
+    except Exception as exc:
+        d["matmul_ok"] = False; d["matmul_error"] = str(exc)[:400]
+    devices.append(d)
+out["devices"] = devices
+def rms_ref(x, w, eps):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+if n:
+    x = torch.randn(8, 1024, dtype=torch.bfloat16, device="cuda:0")
+    w = torch.randn(1024, dtype=torch.bfloat16, device="cuda:0")
+    try:
+        import sgl_kernel
+        y = sgl_kernel.rmsnorm(x, w, 1e-6)
+        err = float((y.float() - rms_ref(x, w, 1e-6).float()).abs().max().item())
+        out["sgl_kernel_rmsnorm"] = {"ok": err < 0.1, "max_abs_err": err}
+    except Exception as exc:
+        out["sgl_kernel_rmsnorm"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:600]}
+    try:
+        import flashinfer
+        y = flashinfer.norm.rmsnorm(x, w, 1e-6)
+        err = float((y.float() - rms_ref(x, w, 1e-6).float()).abs().max().item())
+        out["flashinfer_rmsnorm"] = {"ok": err < 0.1, "max_abs_err": err}
+    except Exception as exc:
+        out["flashinfer_rmsnorm"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:600]}
+print(json.dumps(out))
+"""
+
+NCCL_SCRIPT = r"""
+import json, os, sys, tempfile
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+def work(rank, world, init, q):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
+    t = torch.full((1024,), float(rank + 1), device=f"cuda:{rank}")
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    q.put((rank, float(t[0].item()), float(t.min().item()), float(t.max().item())))
+    dist.destroy_process_group()
+if __name__ == "__main__":
+    world = torch.cuda.device_count()
+    init = "file://" + tempfile.mktemp(prefix="bwstack-nccl-")
+    ctx = mp.get_context("spawn"); q = ctx.Queue()
+    mp.start_processes(work, args=(world, init, q), nprocs=world, join=True, start_method="spawn")
+    got = sorted(q.get() for _ in range(world))
+    want = world * (world + 1) / 2
+    print(json.dumps({"world_size": world, "expected": want, "results": got,
+                      "ok": all(v == want and lo == want and hi == want for _, v, lo, hi in got),
+                      "nccl": ".".join(map(str, torch.cuda.nccl.version()))}))
+"""
+
+
+def runtime_facts(env: Path) -> dict:
+    python = str(env / "bin" / "python")
+    base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    rc, out, err = _run([python, "-c", RUNTIME_SCRIPT], timeout=900, env=base)
+    facts = json.loads(out.strip().splitlines()[-1]) if rc == 0 and out.strip() else {"error": _last_error(err)}
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
+        script.write(NCCL_SCRIPT)
+    rc, out, err = _run([python, script.name], timeout=900, env=base)
+    os.unlink(script.name)
+    facts["nccl_allreduce"] = (
+        json.loads(out.strip().splitlines()[-1])
+        if rc == 0 and out.strip()
+        else {"ok": False, "error": _last_error(err) or err[-400:]}
+    )
+    return facts
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def collect(
+    env: Path, capability: str = "12.0", runtime: bool = True, imports: bool = True, serve_plan: dict | None = None
+) -> dict:
+    import time
+
+    facts: dict = {"probe_version": PROBE_VERSION, "capability": capability, "timings": {}}
+    started = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal started
+        now = time.perf_counter()
+        facts["timings"][name] = round(now - started, 3)
+        started = now
+
+    facts["host"] = host_facts()
+    facts["gpu"] = gpu_facts()
+    facts["env"] = env_facts(env)
+    lap("env")
+    if not facts["env"]["exists"]:
+        return facts
+    sp = Path(facts["env"]["site_packages"])
+    # The import checks are other processes: let them run while this one reads the ELF files.
+    pool = ThreadPoolExecutor(max_workers=1)
+    pending = pool.submit(import_facts, env, sp, facts["gpu"]["present"]) if imports else None
+    facts["cuda"] = cuda_facts(env, capability)
+    lap("cuda")
+    facts["elf"] = elf_facts(env, sp, facts["env"].get("torch_version_py") or {})
+    lap("elf")
+    facts["fatbin"] = fatbin_facts(sp, capability)
+    lap("fatbin")
+    facts["features"] = features.report(sp, capability)
+    lap("features")
+    if serve_plan and serve_plan.get("requests"):
+        from bwstack.probe.serveplan import node
+
+        device = node.resolve_device(serve_plan["device"], env)
+        facts["serve_plan"] = node.observe(env, device, serve_plan["requests"], cuda=facts["cuda"]).as_dict()
+        lap("serve-plan")
+    if pending is not None:
+        facts["imports"] = pending.result()
+        lap("imports (rest)")
+    pool.shutdown()
+    if runtime and facts["gpu"]["present"]:
+        facts["runtime"] = runtime_facts(env)
+        lap("runtime")
+    return facts
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["preflight"]:
+        from bwstack.probe import preflight
+
+        return preflight.main(argv[1:])
+    if argv[:1] == ["serve-plan"]:
+        from bwstack.probe.serveplan import node
+
+        return node.main(argv[1:])
+    parser = argparse.ArgumentParser(prog="bwstack-probe")
+    parser.add_argument("--env", help="the env to inspect (default: BWSTACK_ML_ENV, /opt/ml-env as root, ~/ml-env)")
+    parser.add_argument("--capability", default="12.0")
+    parser.add_argument("--no-runtime", action="store_true")
+    parser.add_argument("--no-imports", action="store_true")
+    parser.add_argument("--serve-plan", help="JSON job: plan these models with SGLang's own code (bwstack.serveplan)")
+    args = parser.parse_args(argv)
+    env = Path(args.env) if args.env else default_env()
+    job = json.loads(args.serve_plan) if args.serve_plan else None
+    facts = collect(env, args.capability, runtime=not args.no_runtime, imports=not args.no_imports, serve_plan=job)
+    json.dump(facts, sys.stdout, default=str)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

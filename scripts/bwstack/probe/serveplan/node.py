@@ -1,0 +1,477 @@
+"""Node side of serve-plan: run SGLang's own resolution in the env's interpreter and read the kernels its choices
+need, from the env's files.
+
+Standard library, pyelftools and bwstack's other node-side modules only: this module runs on target hosts inside
+the probe zipapp. It decides nothing about SGLang: `inenv.py` observes SGLang's choices while they are made; this
+module prepares the device (the real GPU, or the target simulated: torch.cuda/NVML answers installed by the
+script, a stand-in `nvidia-smi` on PATH and, on a host without a driver, the probe's stand-in libcuda.so.1 so
+sgl-kernel can load) and collects the kernel facts: fatbin coverage, cubin architectures, DeepGEMM's kernel
+sources, nvcc and Triton's bundled ptxas tried for real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import TypedDict
+
+from bwstack.probe import elfscan, envinspect, fatbin, features
+from bwstack.probe import main as probe
+from bwstack.probe.serveplan import references
+
+SCHEMA = 1
+MARKER = "BWSTACK-SERVEPLAN "
+SIMULATED = "simulated"
+REAL = "real"
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "SGLANG_USE_MODELSCOPE": "false"}
+
+
+@dataclass(frozen=True)
+class Device:
+    """The GPU the plan is for: the real one on this host, or the target simulated."""
+
+    mode: str  # "simulated" | "real"
+    capability: str  # "12.0"
+    count: int
+    memory_mib: int
+    name: str
+    interconnect: str  # "pcie" | "nvlink"
+
+
+class Request(TypedDict, total=False):
+    id: str
+    model: str  # a reference config name or an absolute path
+    draft: str | None
+    tp: int
+    speculative_algorithm: str | None
+    quantization: str | None
+    attention_backend: str | None
+    moe_runner_backend: str | None
+    server_args: dict[str, object]  # further ServerArgs fields by name (how suggested fixes are tried)
+    env: dict[str, str]
+
+
+@dataclass
+class Observation:
+    """What the node reports for a batch of requests on one device (JSON: `as_dict`)."""
+
+    device: Device
+    requests: list[Request]
+    inenv: dict = field(default_factory=dict)
+    kernels: dict = field(default_factory=dict)
+    features: dict = field(default_factory=dict)
+    error: str | None = None
+
+    def as_dict(self) -> dict:
+        return {
+            "schema": SCHEMA,
+            "device": asdict(self.device),
+            "requests": list(self.requests),
+            "inenv": self.inenv,
+            "kernels": self.kernels,
+            "features": self.features,
+            "error": self.error,
+        }
+
+
+# ------------------------------------------------------------------------------------------------ the run
+
+
+def _script() -> bytes:
+    return resources.files("bwstack.probe.serveplan").joinpath("inenv.py").read_bytes()
+
+
+def _model_path(value: str, models_dir: Path) -> str:
+    if value in references.reference_names():
+        return str(references.materialize(value, models_dir))
+    return value
+
+
+def _stand_in_smi(folder: Path, device: Device, python: str) -> None:
+    """`nvidia-smi --query-gpu=...` answered for the simulated target (SGLang reads the memory from it)."""
+    values = {
+        "memory.total": str(device.memory_mib),
+        "name": device.name,
+        "compute_cap": device.capability,
+        "driver_version": "simulated",
+    }
+    script = (
+        f"#!{python}\n"
+        "# bwstack serve-plan: a stand-in nvidia-smi for the SIMULATED target GPU (not a driver tool)\n"
+        "import sys\n"
+        f"VALUES = {json.dumps(values)}\n"
+        f"COUNT = {int(device.count)}\n"
+        "fields = next((a.split('=', 1)[1] for a in sys.argv[1:] if a.startswith('--query-gpu=')), '')\n"
+        "if not fields:\n"
+        "    sys.exit(0)\n"
+        "for index in range(COUNT):\n"
+        "    row = [str(index) if f == 'index' else VALUES.get(f, '[N/A]') for f in fields.split(',')]\n"
+        "    print(', '.join(row))\n"
+    )
+    path = folder / "nvidia-smi"
+    path.write_text(script)
+    path.chmod(0o755)
+
+
+def _driver_present() -> bool:
+    return any((Path(d) / "libcuda.so.1").exists() for d in elfscan.system_library_dirs())
+
+
+def _child_env(base: dict[str, str], bin_dir: Path | None, stub_dir: Path | None) -> dict[str, str]:
+    env = {k: v for k, v in base.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env.update(OFFLINE)
+    if bin_dir is not None:
+        env["PATH"] = f"{bin_dir}:{env.get('PATH', '/usr/bin:/bin')}"
+    if stub_dir is not None:
+        env["LD_LIBRARY_PATH"] = f"{stub_dir}:{env.get('LD_LIBRARY_PATH', '')}"
+    return env
+
+
+def _run_child(python: str, script: Path, job: dict, env: dict[str, str], cwd: str, timeout: int) -> dict:
+    try:
+        proc = subprocess.run(
+            [python, "-I", str(script), json.dumps(job)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            cwd=cwd,
+        )
+    except FileNotFoundError:
+        return {"error": f"{python}: no such interpreter"}
+    except subprocess.TimeoutExpired:
+        return {"error": f"SGLang's resolution did not finish in {timeout} s"}
+    for line in proc.stdout.splitlines():
+        if line.startswith(MARKER):
+            return json.loads(line[len(MARKER) :])
+    tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+    return {"error": f"the env's interpreter exited {proc.returncode} without a result: {tail[-1500:]}"}
+
+
+def run_inenv(env: Path, device: Device, requests: list[Request], timeout: int = 1800) -> dict:
+    """Run inenv.py in the env's interpreter for these requests; its JSON, or {"error": ...}.
+
+    Requests with different environments run in different interpreters: SGLang reads most of its environment
+    variables when its modules are imported, so a variable set later would change nothing."""
+    python = str(Path(env) / "bin" / "python")
+    sp = envinspect.site_packages(Path(env))
+    with tempfile.TemporaryDirectory(prefix="bwstack-serveplan-") as tmp:
+        tmpdir = Path(tmp)
+        jobs = []
+        for request in requests:
+            job = {k: v for k, v in request.items() if k not in ("model", "draft", "env")}
+            job["model_path"] = _model_path(request["model"], tmpdir / "models")
+            if request.get("draft"):
+                job["draft_path"] = _model_path(request["draft"], tmpdir / "models")
+            jobs.append(job)
+        script = tmpdir / "inenv.py"
+        script.write_bytes(_script())
+        bin_dir = stub_dir = None
+        notes = []
+        if device.mode == SIMULATED:
+            bin_dir = tmpdir / "bin"
+            bin_dir.mkdir()
+            _stand_in_smi(bin_dir, device, python)
+            if not _driver_present():
+                stub_dir = tmpdir / "stub"
+                stub_dir.mkdir()
+                if probe._stub_libcuda(sp, stub_dir) is None:
+                    stub_dir = None
+                    notes.append("no stand-in libcuda.so.1 (no C compiler, or nothing here links libcuda)")
+                else:
+                    notes.append("no NVIDIA driver on this host: sgl-kernel loaded against a stand-in libcuda.so.1")
+        base_env = _child_env(dict(os.environ), bin_dir, stub_dir)
+        device_json = {"mode": device.mode, **{k: v for k, v in asdict(device).items() if k != "mode"}}
+        groups: dict[str, list[int]] = {}
+        for index, request in enumerate(requests):
+            groups.setdefault(json.dumps(sorted((request.get("env") or {}).items())), []).append(index)
+        meta: dict | None = None
+        errors: list[str] = []
+        observations: list[dict | None] = [None] * len(jobs)
+        for key, indexes in groups.items():
+            extra = dict(json.loads(key))
+            job = {"device": device_json, "requests": [jobs[i] for i in indexes]}
+            result = _run_child(python, script, job, {**base_env, **extra}, tmp, timeout)
+            if result.get("error"):
+                errors.append(result["error"])
+                for i in indexes:
+                    crashed = {"type": "EnvError", "message": result["error"], "site": None, "code": ""}
+                    observations[i] = {"id": jobs[i].get("id"), "crashed": crashed, "steps": {}}
+                continue
+            meta = meta or result
+            for i, observation in zip(indexes, result.get("observations", []), strict=False):
+                observation["model_path"] = jobs[i]["model_path"]
+                observation["env"] = extra
+                observations[i] = observation
+        if meta is None:
+            return {"error": errors[0] if errors else "no requests"}
+        meta["observations"] = observations
+        meta["notes"] = notes
+        return meta
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+
+
+def _coverage(path: Path, capability: str) -> dict:
+    try:
+        found = fatbin.entries(path)
+    except (elfscan.NotElfError, fatbin.FatbinError, OSError) as exc:
+        return {"path": str(path), "error": str(exc)}
+    ok, reason = fatbin.covers(found, capability)
+    summary = fatbin.summary(path)
+    return {
+        "path": str(path),
+        "covers": ok,
+        "reason": reason,
+        "cubins": summary["cubins"],
+        "ptx": summary["ptx"],
+        "relocatable": summary["relocatable"],
+    }
+
+
+def _first(paths: list[Path]) -> Path | None:
+    paths = [p for p in paths if p.is_file() and not p.is_symlink()] or [p for p in paths if p.is_file()]
+    return sorted(paths)[0] if paths else None
+
+
+def _cubin_categories(sp: Path) -> dict:
+    """flashinfer-cubin's prebuilt kernels by family (fmha = TRT-LLM attention, batched_gemm = TRT-LLM MoE, ...)
+    with the SM architectures of their cubins (ELF e_flags)."""
+    root = sp / "flashinfer_cubin" / "cubins"
+    out: dict[str, dict] = {}
+    if not root.is_dir():
+        return out
+    for path in root.rglob("*.cubin"):
+        parts = path.relative_to(root).parts
+        if len(parts) < 3:
+            continue
+        family = re.sub(r"-[0-9a-f]+(-[0-9a-f]+)*$", "", parts[1])
+        arch = probe._cubin_arch(path) or "unknown"
+        entry = out.setdefault(family, {"cubins": 0, "archs": {}})
+        entry["cubins"] += 1
+        entry["archs"][arch] = entry["archs"].get(arch, 0) + 1
+    for entry in out.values():
+        entry["archs"] = dict(sorted(entry["archs"].items()))
+    return out
+
+
+# FlashInfer's own architecture checks in front of its prebuilt TRT-LLM kernels: the start-up error they give.
+GUARDS = {
+    "fmha": ("include/flashinfer/trtllm/fmha/fmhaRunner.cuh", r"Unsupported architecture"),
+    "batched_gemm": ("csrc/trtllm_fused_moe_kernel_launcher.cu", r"ICHECK_EQ\(major, 10\)"),
+}
+
+
+def _flashinfer_guards(sp: Path) -> dict:
+    out = {}
+    for family, (rel, pattern) in GUARDS.items():
+        path = sp / "flashinfer" / "data" / rel
+        if not path.is_file():
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            if re.search(pattern, line):
+                out[family] = {"site": f"{path.relative_to(sp)}:{number}", "code": line.strip()[:240]}
+                break
+    return out
+
+
+def _deep_gemm(sp: Path) -> dict | None:
+    impls = sp / "deep_gemm" / "include" / "deep_gemm" / "impls"
+    if not impls.is_dir():
+        return None
+    archs = sorted({int(m.group(1)) for p in impls.glob("sm*_*.cuh") if (m := re.match(r"sm(\d+)_", p.name))})
+    return {"impls": str(impls.relative_to(sp)), "archs": [f"sm_{a}" for a in archs]}
+
+
+def _triton_kernels(sp: Path) -> dict | None:
+    target = sp / "triton_kernels" / "target_info.py"
+    if not target.is_file():
+        return None
+    text = target.read_text(encoding="utf-8", errors="replace")
+    match = re.search(r"def has_tma_gather\(\):\s*\n\s*return cuda_capability_geq\((\d+),\s*(\d+)\)", text)
+    if not match:
+        return {"file": str(target.relative_to(sp)), "tma_gather_from": None}
+    line = text[: match.start()].count("\n") + 1
+    return {
+        "file": str(target.relative_to(sp)),
+        "tma_gather_from": f"{match.group(1)}.{match.group(2)}",
+        "site": f"{target.relative_to(sp)}:{line}",
+    }
+
+
+PTX_KERNEL = """.version 8.7
+.target {arch}
+.address_size 64
+.visible .entry k(.param .u64 p)
+{{
+    ret;
+}}
+"""
+PTX_GATHER4 = """.version 8.7
+.target {arch}
+.address_size 64
+.visible .entry k(.param .u64 tmap, .param .u32 c0)
+{{
+    .reg .b64 %rd<2>;
+    .reg .b32 %r<4>;
+    .shared .align 128 .b8 smem[4096];
+    .shared .align 8 .b64 bar;
+    ld.param.u64 %rd1, [tmap];
+    ld.param.u32 %r1, [c0];
+    mov.u32 %r2, smem;
+    mov.u32 %r3, bar;
+    cp.async.bulk.tensor.2d.shared::cluster.global.tile::gather4.mbarrier::complete_tx::bytes
+        [%r2], [%rd1, {{%r1, %r1, %r1, %r1, %r1}}], [%r3];
+    ret;
+}}
+"""
+
+
+def _ptxas_try(ptxas: Path, source: str, arch: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bwstack-ptxas-") as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(source.format(arch=arch))
+        code, out, err = probe._run([str(ptxas), f"--gpu-name={arch}", str(src), "-o", str(Path(tmp) / "k.o")])
+    message = " ".join((err or out).replace(str(src), "k.ptx").split())
+    return {"ok": code == 0, "error": message[:400] if code else ""}
+
+
+def _triton(sp: Path, capability: str) -> dict | None:
+    ptxas = sp / "triton" / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.is_file():
+        return None
+    override = os.environ.get("TRITON_PTXAS_PATH")
+    _, out, _ = probe._run([str(ptxas), "--version"])
+    match = re.search(r"release (\d+\.\d+), V([\d.]+)", out)
+    major, minor = capability.split(".")
+    arch = f"sm_{major}{minor}a"
+    return {
+        "ptxas": str(ptxas.relative_to(sp)),
+        "version": match.group(2) if match else None,
+        "override": override,
+        "arch": arch,
+        "compiles": _ptxas_try(ptxas, PTX_KERNEL, arch),
+        "tile_gather4": _ptxas_try(ptxas, PTX_GATHER4, arch),
+    }
+
+
+def _jit_cache(sp: Path, capability: str) -> dict | None:
+    root = sp / "flashinfer_jit_cache"
+    if not root.is_dir():
+        return None
+    libs = probe._so_files(root)
+    covering = [p for p in libs if _coverage(p, capability).get("covers")]
+    return {"files": len(libs), "covering": len(covering)}
+
+
+def kernel_facts(env: Path, capability: str, sgl_kernel_ops: str | None = None, cuda: dict | None = None) -> dict:
+    """What the env's files say about kernels for GPUs of `capability`, for every source a path can use."""
+    sp = envinspect.site_packages(Path(env))
+    facts: dict = {"capability": capability}
+    sgl = sp / "sgl_kernel"
+    if sgl.is_dir():
+        ops = Path(sgl_kernel_ops) if sgl_kernel_ops else None
+        if ops is None:  # sgl_kernel/__init__ loads sm90/ on capability 9.0, sm100/ on any other
+            variant = "sm90" if capability == "9.0" else "sm100"
+            ops = _first(list((sgl / variant).glob("common_ops*.so")))
+        facts["sgl_kernel"] = {
+            "common_ops": _coverage(ops, capability) if ops else None,
+            "flash_ops": _coverage(p, capability) if (p := _first(list(sgl.glob("flash_ops*.so")))) else None,
+            "flashmla_ops": _coverage(p, capability) if (p := _first(list(sgl.glob("flashmla_ops*.so")))) else None,
+        }
+    facts["flashinfer_cubin"] = _cubin_categories(sp)
+    facts["flashinfer_guards"] = _flashinfer_guards(sp)
+    facts["flashinfer_jit_cache"] = _jit_cache(sp, capability)
+    facts["deep_gemm"] = _deep_gemm(sp)
+    facts["triton_kernels"] = _triton_kernels(sp)
+    facts["triton"] = _triton(sp, capability)
+    nvidia = sp / "nvidia"
+    nccl = _first(list(nvidia.rglob("libnccl.so.2"))) if nvidia.is_dir() else None
+    cublas = _first(list(nvidia.rglob("libcublasLt.so.*"))) if nvidia.is_dir() else None
+    facts["nccl"] = _coverage(nccl, capability) if nccl else None
+    facts["cublas"] = _coverage(cublas, capability) if cublas else None
+    torch_cuda = sp / "torch" / "lib" / "libtorch_cuda.so"
+    facts["torch"] = _coverage(torch_cuda, capability) if torch_cuda.is_file() else None
+    facts["nvcc"] = cuda if cuda is not None else probe.cuda_facts(Path(env), capability)
+    return facts
+
+
+# ------------------------------------------------------------------------------------------------ entry
+
+
+def observe(env: Path, device: Device, requests: list[Request], *, cuda: dict | None = None) -> Observation:
+    """SGLang's choices for each request (one interpreter for all of them) and the env's kernel facts."""
+    env = Path(env)
+    result = Observation(device=device, requests=list(requests))
+    if not (env / "bin" / "python").exists():
+        result.error = f"no env at {env}: no bin/python"
+        return result
+    inenv = run_inenv(env, device, list(requests))
+    result.inenv = inenv
+    if inenv.get("error"):
+        result.error = inenv["error"]
+    sp = envinspect.site_packages(env)
+    result.kernels = kernel_facts(env, device.capability, inenv.get("sgl_kernel_ops"), cuda)
+    result.features = features.report(sp, device.capability)
+    return result
+
+
+def resolve_device(spec: dict, env: Path) -> Device:
+    """The device a job names: `real` (this host's GPU), `simulated` (the target described by spec) or `auto`
+    (the real GPU when this host has the target's capability, the simulated target otherwise)."""
+    mode = spec.get("mode", "auto")
+    simulated = Device(
+        SIMULATED, spec["capability"], int(spec["count"]), int(spec["memory_mib"]), spec["name"], spec["interconnect"]
+    )
+    if mode == SIMULATED:
+        return simulated
+    gpus = probe.gpu_facts()
+    if mode == "auto" and not (gpus["present"] and {g["capability"] for g in gpus["gpus"]} == {spec["capability"]}):
+        return simulated
+    real = real_device(env, spec["interconnect"]) if gpus["present"] else None
+    if real is None:
+        if mode == REAL:
+            raise RuntimeError(f"no GPU visible to the env's torch on this host: {gpus.get('reason')}")
+        return simulated
+    return real
+
+
+def main(argv: list[str]) -> int:
+    """`probe.pyz serve-plan --env ENV JOB_JSON`: the observation of a job, as one JSON line."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="bwstack-probe serve-plan")
+    parser.add_argument("--env", required=True)
+    parser.add_argument("job")
+    args = parser.parse_args(argv)
+    job = json.loads(args.job)
+    env = Path(args.env)
+    observation = observe(env, resolve_device(job["device"], env), job["requests"])
+    sys.stdout.write(json.dumps(observation.as_dict(), default=str) + "\n")
+    return 0
+
+
+def real_device(env: Path, interconnect: str) -> Device | None:
+    """The first GPU of this host as torch in the env sees it (None without one)."""
+    code = (
+        "import json, torch\n"
+        "if not torch.cuda.is_available(): print('{}')\n"
+        "else:\n"
+        "    p = torch.cuda.get_device_properties(0); c = torch.cuda.get_device_capability(0)\n"
+        "    print(json.dumps({'capability': '%d.%d' % c, 'count': torch.cuda.device_count(),\n"
+        "                      'memory_mib': p.total_memory // 2**20, 'name': torch.cuda.get_device_name(0)}))\n"
+    )
+    env_vars = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    rc, out, _ = probe._run([str(Path(env) / "bin" / "python"), "-I", "-c", code], env=env_vars)
+    info = json.loads(out.strip().splitlines()[-1]) if rc == 0 and out.strip() else {}
+    if not info:
+        return None
+    return Device(REAL, info["capability"], info["count"], info["memory_mib"], info["name"], interconnect)

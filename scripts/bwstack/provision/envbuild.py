@@ -1,0 +1,126 @@
+"""Build a Python env from fetched wheels with uv: one implementation for provisioning and the image build."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from bwstack.errors import BwstackError, UsageError
+from bwstack.probe import envinspect, preflight
+from bwstack.provision.uvtool import run_uv, uv_env
+from bwstack.provision.wheelhouse import LocalWheel
+
+
+def find_python(version: str, explicit: str | None = None) -> str:
+    """An interpreter for `version` (e.g. "3.12"): the one given, else python3.X on PATH or usual places."""
+    if explicit:
+        if not os.access(explicit, os.X_OK):
+            raise UsageError(f"--python {explicit}: not an executable")
+        return explicit
+    found = preflight.find_python(version)
+    if found is None:
+        raise BwstackError(
+            f"no Python {version} found (the profile's interpreter): install python{version} "
+            f"(Ubuntu 24.04: apt install python3.12-venv) or pass --python PATH"
+        )
+    return found
+
+
+def create_venv(dest: Path, python: str, *, env: Mapping[str, str] | None = None) -> None:
+    """A relocatable venv: its scripts find their interpreter relative to themselves, so the env can be
+    built under a temporary name and renamed into place."""
+    result = run_uv(["venv", "--relocatable", "--python", python, str(dest)], env=env or uv_env(), capture=True)
+    if result.returncode != 0:
+        raise BwstackError(f"uv venv failed for {dest}: {result.stderr.strip()[-800:]}")
+
+
+def install(
+    env_dir: Path,
+    wheels: Mapping[str, LocalWheel],
+    *,
+    cache_dir: Path | None = None,
+    link_mode: str = "hardlink",
+    ca_bundle: str | None = None,
+) -> None:
+    """Install exactly `wheels` (no resolution, no index, hashes required) into the env."""
+    if not wheels:
+        return
+    python = env_dir / "bin" / "python"
+    extra = {"UV_CACHE_DIR": str(cache_dir)} if cache_dir else {}
+    # Direct file references into the content-addressed store: stable paths, so uv's cache (keyed on the
+    # wheel's location) unpacks each wheel once and later generations hard-link the same files.
+    with tempfile.TemporaryDirectory(prefix="bwstack-install-") as tmp:
+        reqs = Path(tmp, "requirements.txt")
+        reqs.write_text(
+            "".join(
+                f"{w.package} @ {w.path.absolute().as_uri()} --hash=sha256:{w.sha256}\n"
+                for w in sorted(wheels.values(), key=lambda w: w.package)
+            )
+        )
+        args = [
+            "pip", "install", "--python", str(python), "--no-index",
+            "--require-hashes", "--no-deps", "--only-binary", ":all:",
+            "--link-mode", link_mode, "-r", str(reqs),
+        ]  # fmt: skip
+        result = run_uv(args, env=uv_env(extra, ca_bundle=ca_bundle), capture=True)
+    if cache_dir is not None:
+        drop_world_write(cache_dir)
+    if result.returncode != 0:
+        detail = result.stderr.strip()[-1200:]
+        if "No space left on device" in detail:
+            raise BwstackError(f"disk full while installing into {env_dir}; nothing was switched")
+        raise BwstackError(f"uv could not install into {env_dir}: {detail}")
+
+
+def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The caller's environment without what would make a child interpreter load other code or other
+    bytecode rules: PYTHONPATH and friends, a CUDA_HOME of the caller's, SOURCE_DATE_EPOCH."""
+    drop = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONPYCACHEPREFIX", "PYTHONDONTWRITEBYTECODE",
+            "SOURCE_DATE_EPOCH", "CUDA_HOME", "VIRTUAL_ENV")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(extra or {})
+    return env
+
+
+def compile_bytecode(env_dir: Path) -> None:
+    """Bytecode for every module of the env, with the env's own interpreter, before the generation is
+    sealed: it becomes part of the manifest, and Python never writes into the generation later (its hook
+    stops that). Sources that do not compile (templates, other Pythons' files) simply get none."""
+    site = envinspect.site_packages(env_dir)
+    cmd = [str(env_dir / "bin" / "python"), "-m", "compileall", "-q", "-q", "-j", "0", str(site)]
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), timeout=3600)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise BwstackError(f"compiling the bytecode of {env_dir} failed: {exc}") from None
+    if result.returncode not in (0, 1):  # 1: some file did not compile, which is not ours to fix
+        raise BwstackError(f"compiling the bytecode of {env_dir} failed: {result.stderr.strip()[-400:]}")
+
+
+def drop_world_write(cache_dir: Path) -> None:
+    """uv creates its lock files mode 0666 (shared caches); bwstack's store keeps nothing world-writable."""
+    for dirpath, dirnames, filenames in os.walk(cache_dir):
+        if dirpath == str(cache_dir):
+            dirnames[:] = [d for d in dirnames if not d.startswith("archive-")]  # unpacked wheels: uv's own modes
+        for name in filenames:
+            if name.endswith(".lock"):
+                path = os.path.join(dirpath, name)
+                mode = os.lstat(path).st_mode
+                if mode & 0o022:
+                    os.chmod(path, mode & 0o755)
+
+
+def differences(env_dir: Path, expected: Mapping[str, str]) -> list[str]:
+    """What the env has that the closure does not, and the other way round, and version mismatches."""
+    have = {name: dist.version for name, dist in envinspect.installed(env_dir).items()}
+    problems = []
+    for name, version in sorted(expected.items()):
+        if name not in have:
+            problems.append(f"{name} {version} missing")
+        elif have[name] != version:
+            problems.append(f"{name} is {have[name]}, expected {version}")
+    for name in sorted(set(have) - set(expected)):
+        problems.append(f"{name} {have[name]} is not in the closure")
+    return problems

@@ -1,0 +1,333 @@
+"""Fetch a closure's wheels into a content-addressed store, each checked against the lock's sha256.
+
+Sources, in order: the store itself, local wheelhouse directories (offline nodes, image builds), a mirror
+for the wheel's index (`--index NAME=URL`, a PEP 503/691 simple index), then the URL the lock records;
+`offline` stops before the mirror. A wheel whose bytes do not hash to the lock's value is refused with the
+package and the file named and never enters the store. A wheel the lock has no hash for is fetched only when
+the user names it in --allow-unhashed.
+
+What a fetch reuses is checked where it enters: with `rehash_store` (`bwstack fetch`, `image build`) a store
+entry is hashed again before it is used, and a damaged one is removed and fetched again; `export` hashes what
+already lies in a destination directory before it keeps it. The node's own store (root-owned, written only
+by bwstack) is not re-read on every build: uv checks every wheel's sha256 again when it installs it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+from bwstack.errors import BwstackError, HashMismatchError, UsageError
+from bwstack.fsutil import free_bytes
+from bwstack.lock import pypi
+from bwstack.lock.model import LockedPackage, Wheel
+from bwstack.lock.tags import Target
+
+CHUNK = 1 << 20
+DISK_MARGIN = 512 << 20
+
+
+class DiskFullError(BwstackError):
+    pass
+
+
+@dataclass(frozen=True)
+class LocalWheel:
+    package: str
+    version: str
+    file: str
+    path: Path
+    sha256: str
+    hash_verified: bool  # False: the lock had no hash; `sha256` is what we observed
+
+    def as_dict(self) -> dict:
+        return {
+            "version": self.version,
+            "wheel": self.file,
+            "sha256": self.sha256,
+            "hash_verified": self.hash_verified,
+        }
+
+
+@dataclass
+class Sources:
+    wheelhouses: list[Path] = field(default_factory=list)
+    index_mirrors: dict[str, str] = field(default_factory=dict)
+    offline: bool = False
+
+    @classmethod
+    def parse(cls, wheelhouses: Iterable[str] = (), mirrors: Iterable[str] = (), offline: bool = False) -> Sources:
+        parsed: dict[str, str] = {}
+        for item in mirrors:
+            name, sep, url = item.partition("=")
+            if not sep or not url.startswith(("https://", "file://")):
+                raise UsageError(f"--index {item!r}: expected NAME=https://mirror/simple")
+            parsed[name] = url
+        houses = []
+        for item in wheelhouses:
+            path = Path(item)
+            if not path.is_dir():
+                raise UsageError(f"--wheelhouse {item}: not a directory")
+            houses.append(path)
+        return cls(houses, parsed, offline)
+
+
+def select(packages: Mapping[str, LockedPackage], target: Target) -> dict[str, tuple[LockedPackage, Wheel]]:
+    """The one wheel per package the target installs: the best-ranked compatible file the lock lists."""
+    chosen = {}
+    for name, pkg in packages.items():
+        ranked = [(target.wheel_rank(w.file), i, w) for i, w in enumerate(pkg.wheels)]
+        ranked = [r for r in ranked if r[0] is not None]
+        if not ranked:
+            raise BwstackError(f"{name} {pkg.version}: the lock lists no wheel for CPython {target.python}")
+        chosen[name] = (pkg, min(ranked)[2])
+    return chosen
+
+
+def _store_path(store: Path, sha256: str, file: str) -> Path:
+    return store / sha256[:2] / sha256 / file
+
+
+def _hash_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _is_regular(path: Path) -> bool:
+    """A regular file at path itself (no link, FIFO or device: hashing one of those could block or lie)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def check_wheel_file(pkg: LockedPackage, wheel: Wheel, path: Path, origin: str) -> str:
+    """The sha256 of a local wheel file, which must be the lock's (when it has one); the refusal names both."""
+    actual = _hash_file(path)
+    if wheel.sha256 is not None and actual != wheel.sha256:
+        raise HashMismatchError(
+            f"{pkg.name} {pkg.version}: {wheel.file} from {origin} has sha256 {actual}, the lock expects "
+            f"{wheel.sha256}; refused (if upstream re-uploaded it, re-run `bwstack lock` from a network "
+            f"that reaches it; otherwise the file is not the one the lock names)"
+        )
+    return actual
+
+
+class Fetcher:
+    def __init__(
+        self,
+        store: Path,
+        sources: Sources,
+        allow_unhashed: Iterable[str] = (),
+        http: requests.Session | None = None,
+        log=print,
+        *,
+        rehash_store: bool = False,
+    ) -> None:
+        self.store = Path(store)
+        self.sources = sources
+        self.allow_unhashed = set(allow_unhashed)
+        self.http = http or pypi.session()
+        self.log = log
+        self.rehash_store = rehash_store
+
+    def fetch_all(self, selection: Mapping[str, tuple[LockedPackage, Wheel]]) -> dict[str, LocalWheel]:
+        unknown = self.allow_unhashed - set(selection)
+        if unknown:
+            raise UsageError(f"--allow-unhashed {', '.join(sorted(unknown))}: not in this closure")
+        refused = [
+            name for name, (_, wheel) in selection.items() if wheel.sha256 is None and name not in self.allow_unhashed
+        ]
+        if refused:
+            raise BwstackError(
+                "the lock has no sha256 for "
+                + ", ".join(f"{n} {selection[n][0].version}" for n in sorted(refused))
+                + "; refusing to install unverified wheels (pass --allow-unhashed "
+                + " --allow-unhashed ".join(sorted(refused))
+                + " to accept them knowingly)"
+            )
+        self.store.mkdir(parents=True, exist_ok=True)
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            results = list(pool.map(lambda item: self.fetch(*item[1]), sorted(selection.items())))
+        return {w.package: w for w in results}
+
+    def fetch(self, pkg: LockedPackage, wheel: Wheel) -> LocalWheel:
+        if wheel.sha256 is not None:
+            cached = self._cached(pkg, wheel)
+            if cached is not None:
+                return LocalWheel(pkg.name, pkg.version, wheel.file, cached, wheel.sha256, True)
+        for house in self.sources.wheelhouses:
+            candidate = house / wheel.file
+            if candidate.is_file():
+                return self._admit(pkg, wheel, candidate, f"wheelhouse {house}", copy=True)
+        if self.sources.offline:
+            raise BwstackError(
+                f"{pkg.name} {pkg.version}: {wheel.file} is in no wheelhouse and the run is offline "
+                f"(add it to a --wheelhouse directory)"
+            )
+        url = self._mirror_url(pkg, wheel) or wheel.url
+        if url.startswith("file://"):
+            return self._admit(pkg, wheel, Path(url[len("file://") :]), url, copy=True)
+        tmp = self._download(pkg, wheel, url)
+        return self._admit(pkg, wheel, tmp, url, copy=False)
+
+    def _cached(self, pkg: LockedPackage, wheel: Wheel) -> Path | None:
+        """The store's copy of a hashed wheel, if it has one (re-hashed first with rehash_store)."""
+        assert wheel.sha256 is not None
+        cached = _store_path(self.store, wheel.sha256, wheel.file)
+        if not (cached.is_file() if not self.rehash_store else _is_regular(cached)):
+            if self.rehash_store and os.path.lexists(cached):
+                self._discard(pkg, cached, "is not a regular file")
+            return None
+        if self.rehash_store:
+            actual = _hash_file(cached)
+            if actual != wheel.sha256:
+                self._discard(pkg, cached, f"has sha256 {actual}, not the lock's {wheel.sha256}")
+                return None
+        return cached
+
+    def _discard(self, pkg: LockedPackage, cached: Path, why: str) -> None:
+        if cached.is_dir() and not cached.is_symlink():
+            raise BwstackError(f"{pkg.name} {pkg.version}: the store's {cached} {why}; remove it by hand")
+        cached.unlink()
+        self.log(f"WARNING: {pkg.name} {pkg.version}: the store's {cached} {why}: removed; fetching it again")
+
+    def _mirror_url(self, pkg: LockedPackage, wheel: Wheel) -> str | None:
+        mirror = self.sources.index_mirrors.get(pkg.index)
+        if not mirror:
+            return None
+        if mirror.startswith("file://"):
+            base = Path(mirror[len("file://") :])
+            for candidate in (base / pkg.name / wheel.file, base / wheel.file):
+                if candidate.is_file():
+                    return f"file://{candidate}"
+            raise BwstackError(f"{pkg.name}: {wheel.file} not found in mirror {mirror}")
+        for f in pypi.project_files(self.http, mirror, pkg.name):
+            if f.filename == wheel.file:
+                return f.url
+        raise BwstackError(f"{pkg.name}: mirror {mirror} does not list {wheel.file}")
+
+    def _download(self, pkg: LockedPackage, wheel: Wheel, url: str) -> Path:
+        partial = self.store / ".partial"
+        partial.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=wheel.file + ".", dir=partial)
+        tmp = Path(name)
+        try:
+            with (
+                os.fdopen(fd, "wb") as out,
+                self.http.get(url, stream=True, timeout=pypi.TIMEOUT) as response,
+            ):
+                if not response.ok:
+                    raise BwstackError(f"{pkg.name} {pkg.version}: HTTP {response.status_code} for {url}")
+                length = int(response.headers.get("Content-Length") or 0)
+                if length and free_bytes(partial) < length + DISK_MARGIN:
+                    raise DiskFullError(
+                        f"not enough disk for {wheel.file} ({length >> 20} MiB) in {self.store}: "
+                        f"{free_bytes(partial) >> 20} MiB free; free space or pass --root on a larger disk"
+                    )
+                for chunk in response.iter_content(CHUNK):
+                    out.write(chunk)
+        except requests.RequestException as exc:
+            tmp.unlink(missing_ok=True)
+            raise BwstackError(f"{pkg.name} {pkg.version}: cannot download {url}: {pypi._reason(exc)}") from None
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            if exc.errno == 28:
+                raise DiskFullError(f"disk full while downloading {wheel.file} into {self.store}") from None
+            raise
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return tmp
+
+    def _admit(self, pkg: LockedPackage, wheel: Wheel, path: Path, origin: str, *, copy: bool) -> LocalWheel:
+        try:
+            actual = check_wheel_file(pkg, wheel, path, origin)
+        except HashMismatchError:
+            if not copy:
+                path.unlink(missing_ok=True)
+            raise
+        verified = wheel.sha256 is not None
+        if not verified:
+            self.log(
+                f"WARNING: {pkg.name} {pkg.version}: installing {wheel.file} with no hash in the lock "
+                f"(--allow-unhashed); its sha256 here is {actual}, recorded as unverified"
+            )
+        final = _store_path(self.store, actual, wheel.file)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if not final.is_file():
+            if copy:
+                tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+                try:
+                    shutil.copyfile(path, tmp)
+                except OSError as exc:
+                    tmp.unlink(missing_ok=True)
+                    if exc.errno == 28:
+                        raise DiskFullError(f"disk full while copying {wheel.file} into {self.store}") from None
+                    raise
+                os.replace(tmp, final)
+            else:
+                os.replace(path, final)
+            os.chmod(final, 0o444)
+        elif not copy:
+            path.unlink(missing_ok=True)
+        return LocalWheel(pkg.name, pkg.version, wheel.file, final, actual, verified)
+
+
+def link_dir(wheels: Mapping[str, LocalWheel], directory: Path) -> Path:
+    """A flat find-links directory holding exactly the selected wheels (symlinks into the store)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for wheel in wheels.values():
+        link = directory / wheel.file
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(wheel.path)
+    return directory
+
+
+def export(wheels: Mapping[str, LocalWheel], directory: Path, log=print) -> list[str]:
+    """Put every fetched wheel at directory/<file> (a hard link into the store, else a copy); returns what was
+    replaced. What already lies there is kept only if it is a regular file with the wheel's sha256: anything
+    else (a damaged or swapped file, a link, a FIFO) is replaced with the verified wheel, and said so."""
+    replaced = []
+    for wheel in sorted(wheels.values(), key=lambda w: w.file):
+        out = directory / wheel.file
+        if _is_regular(out):
+            actual = _hash_file(out)
+            if actual == wheel.sha256:
+                continue
+            why = f"has sha256 {actual}, not {wheel.sha256}"
+        elif os.path.lexists(out):
+            if out.is_dir() and not out.is_symlink():
+                raise BwstackError(f"{out} is a directory where {wheel.package}'s wheel belongs: remove it")
+            why = "is not a regular file"
+        else:
+            _place(wheel.path, out)
+            continue
+        _place(wheel.path, out)
+        replaced.append(str(out))
+        log(f"WARNING: {out} {why}: replaced with the verified wheel ({wheel.package} {wheel.version})")
+    return replaced
+
+
+def _place(source: Path, out: Path) -> None:
+    """source at out, atomically: a hard link where the filesystem allows, else a copy."""
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(source, tmp)
+    except OSError:
+        shutil.copyfile(source, tmp)
+    os.replace(tmp, out)
