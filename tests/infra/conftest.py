@@ -16,7 +16,7 @@ import pytest
 from bwstack.checks.verify import HostUnavailable
 from bwstack.fleet import probe_bundle
 from bwstack.lock.model import Lock, Profile, default_lock_path, load_lock
-from bwstack.probe import waivers
+from bwstack.probe import schema, waivers
 from bwstack.serveplan.check import request_of
 
 CHUNK = 60_000  # base64 characters per command: well under Linux's 128 KiB limit for one argument
@@ -118,17 +118,22 @@ def serve_plan_job(profile: Profile, requests: list[dict]) -> dict:
     return {"device": device, "requests": requests}
 
 
-def _facts_of(host, result, what: str) -> dict:
+def _facts_of(host, result, what: str, read=None) -> dict:
+    """The document a probe command printed; `read` parses and checks it (schema.parse for the probe's facts)."""
+    where = host.backend.get_pytest_id()
     if result.rc != 0:
         lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
-        raise HostUnavailable(
-            f"{what} failed on {host.backend.get_pytest_id()} (exit {result.rc}): "
-            + (lines[-1][:400] if lines else "no error output")
-        )
+        why = lines[-1][:400] if lines else "no error output"
+        raise HostUnavailable(f"{what} failed on {where} (exit {result.rc}): {why}")
+    if read is not None:
+        try:
+            return read(result.stdout, where)
+        except schema.FactsError as exc:
+            raise HostUnavailable(str(exc)) from None
     try:
         return json.loads(result.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
-        raise HostUnavailable(f"{what} printed no facts on {host.backend.get_pytest_id()}") from None
+        raise HostUnavailable(f"{what} printed no facts on {where}") from None
 
 
 def collect(host, config: pytest.Config, capability: str, serve_plan: dict | None = None) -> dict:
@@ -145,7 +150,7 @@ def collect(host, config: pytest.Config, capability: str, serve_plan: dict | Non
         args += ["--serve-plan", json.dumps(serve_plan)]
     python = _python(host, env)
     command = f"{shlex.quote(python)} {remote} {' '.join(shlex.quote(a) for a in args)}"
-    return _facts_of(host, _run(host, command, expect_ok=False), "the bwstack probe")
+    return _facts_of(host, _run(host, command, expect_ok=False), "the bwstack probe", read=schema.parse)
 
 
 def run_serve_plan(host, config: pytest.Config, env_path: str, job: dict) -> dict:

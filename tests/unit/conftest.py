@@ -180,7 +180,7 @@ def real_flashinfer_064(real, tmp_path_factory):
     cu130 profile pins) in place of 0.6.3: installers replace files, so the real env is untouched."""
     from realwheels import wheel
 
-    from bwstack.provision.uvtool import run_uv, uv_env
+    from bwstack.lock.uvtool import run_uv, uv_env
 
     wheels = [wheel("flashinfer-python", "0.6.4"), wheel("flashinfer-cubin", "0.6.4")]
     dest = tmp_path_factory.mktemp("fi064") / "env"

@@ -119,8 +119,8 @@ def test_docker_layers_put_every_package_in_exactly_one_layer_slow_changing_firs
 def test_the_rendered_file_installs_with_plain_uv_and_a_wrong_hash_is_refused(tmp_path):
     """Rendered requirements are a plain requirements file: uv installs it with --require-hashes, and
     refuses a wheel whose bytes do not match."""
+    from bwstack.lock.uvtool import run_uv, uv_env
     from bwstack.provision.envbuild import find_python
-    from bwstack.provision.uvtool import run_uv, uv_env
 
     profile = load_lock(REAL_LOCK).profile("cu128")
     text = render(profile, profile.closure.env, ["typing-extensions"])
@@ -159,7 +159,7 @@ def test_plan_names_each_difference_between_a_venv_and_the_lock(stack):
 def test_plan_reports_missing_extra_and_wrong_hash(stack):
     stack.build("fixture-new", check=True)
     env = stack.ml_env
-    from bwstack.provision.uvtool import run_uv, uv_env
+    from bwstack.lock.uvtool import run_uv, uv_env
 
     run_uv(["pip", "uninstall", "--python", str(env / "bin" / "python"), "fixture-dep"], env=uv_env(), capture=True)
     extra = next(p for p in (stack.tmp / "extra-wheels").iterdir())

@@ -229,7 +229,7 @@ def test_an_install_into_one_generation_never_writes_through_into_another(stack,
     shared_new = next(new.env.glob("lib/python3.*/site-packages/fixture_shared/__init__.py"))
     assert shared_old.stat().st_ino == shared_new.stat().st_ino, "both generations hard-link the same file"
     # a real installer run into the new generation (as root, the worst case): uv replaces, never writes through
-    from bwstack.provision.uvtool import run_uv, uv_env
+    from bwstack.lock.uvtool import run_uv, uv_env
 
     result = run_uv(
         ["pip", "install", "--python", str(new.env / "bin" / "python"), "--no-index",

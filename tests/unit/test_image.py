@@ -387,8 +387,7 @@ def test_a_bad_wheel_in_the_wheelhouse_is_refused_by_its_path_before_docker_is_a
 
 
 def test_check_wheelhouses_hashes_every_selected_wheel_it_finds(tmp_path):
-    from bwstack.lock.tags import Target
-    from bwstack.provision.wheelhouse import select
+    from bwstack.lock.tags import Target, select
 
     lock_path, house = fakestack.make_stack(tmp_path)
     profile = load_lock(lock_path).profile("fixture-new")

@@ -20,7 +20,7 @@ PACKAGE = Path(bwstack.__file__).parent
 # Lowest first. A name is a package (folder) or a top-level module of bwstack.
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"probe"}),
-    frozenset({"errors", "paths", "fsutil"}),
+    frozenset({"errors", "paths", "fsutil", "data"}),
     frozenset({"lock"}),
     frozenset({"store"}),
     frozenset({"provision"}),
@@ -60,8 +60,8 @@ def imports_of(path: Path) -> list[tuple[int, str]]:
 
 
 def modules() -> list[Path]:
-    return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts and p.name != "__init__.py"
-                  or p.parent != PACKAGE and p.name == "__init__.py")  # fmt: skip
+    return sorted(p for p in PACKAGE.rglob("*.py") if ("__pycache__" not in p.parts and p.name != "__init__.py")
+                  or (p.parent != PACKAGE and p.name == "__init__.py"))  # fmt: skip
 
 
 def test_every_module_belongs_to_a_declared_layer():
@@ -69,22 +69,35 @@ def test_every_module_belongs_to_a_declared_layer():
     assert not undeclared, f"add these to LAYERS: {sorted(undeclared)}"
 
 
-@pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_no_module_imports_a_higher_layer(path):
-    unit = unit_of(path)
-    upward = []
-    for line, module in imports_of(path):
+def upward(unit: str, imported: list[tuple[int, str]]) -> list[str]:
+    """The imports of a module in `unit` that reach a higher layer."""
+    found = []
+    for line, module in imported:
         parts = module.split(".")
         if parts[0] != "bwstack" or len(parts) < 2 or parts[1] == "__version__":
             continue
         target = parts[1]
         if target in RANK and RANK[target] > RANK[unit]:
-            upward.append(f"line {line}: {module} ({target} is above {unit})")
-    assert not upward, "\n".join(upward)
+            found.append(f"line {line}: {module} ({target} is above {unit})")
+    return found
+
+
+@pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_module_imports_a_higher_layer(path):
+    assert not (found := upward(unit_of(path), imports_of(path))), "\n".join(found)
+
+
+SCRIPTS = PACKAGE / "probe" / "scripts"
+
+
+def in_env_scripts() -> list[Path]:
+    return sorted(p for p in SCRIPTS.glob("*.py") if p.name != "__init__.py")
 
 
 @pytest.mark.parametrize(
-    "path", [p for p in modules() if unit_of(p) == "probe"], ids=lambda p: str(p.relative_to(PACKAGE))
+    "path",
+    [p for p in modules() if unit_of(p) == "probe" and p not in in_env_scripts()],
+    ids=lambda p: str(p.relative_to(PACKAGE)),
 )
 def test_the_probe_imports_only_itself_the_standard_library_and_pyelftools(path):
     outside = []
@@ -98,29 +111,23 @@ def test_the_probe_imports_only_itself_the_standard_library_and_pyelftools(path)
     assert not outside, "\n".join(outside)
 
 
-def test_the_in_env_observer_imports_nothing_but_the_standard_library_at_module_level():
-    """inenv.py runs in the env's own interpreter, where bwstack is not installed; the env's packages are
-    imported inside functions, after it has decided which to look at."""
-    path = PACKAGE / "probe" / "serveplan" / "inenv.py"
-    for node in ast.parse(path.read_text(encoding="utf-8")).body:
-        names = []
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            names = [node.module or ""]
-        for name in names:
-            assert name.split(".")[0] in sys.stdlib_module_names or name == "__future__", name
+@pytest.mark.parametrize("path", in_env_scripts(), ids=lambda p: p.name)
+def test_an_in_env_script_imports_no_bwstack_and_only_the_standard_library_at_module_level(path):
+    """probe/scripts run in the env's own interpreter, where bwstack is not installed: what they need of the
+    env (torch, sglang, ...) they import themselves; module-level imports are the standard library's, except
+    for a script whose whole job is the env's package (one that cannot run without torch says so by failing)."""
+    for _line, module in imports_of(path):
+        assert module.split(".")[0] != "bwstack", f"{path.name} imports {module}"
 
 
-def test_a_layer_violation_is_caught(tmp_path):
-    """The checker itself can fail: a store module importing the CLI is reported."""
-    fake = PACKAGE / "store" / "_layer_probe_example.py"
-    source = "def f():\n    from bwstack.cli import main\n"
-    tree_imports = [m for _, m in ast_imports(source, fake)]
-    assert "bwstack.cli" in tree_imports
-    assert RANK["cli"] > RANK["store"]
+def test_every_in_env_script_is_run_by_name_somewhere():
+    """A script file nobody runs is dead code: each is named by a run_script/script_source call."""
+    sources = "\n".join(p.read_text(encoding="utf-8") for p in PACKAGE.rglob("*.py") if SCRIPTS not in p.parents)
+    for path in in_env_scripts():
+        assert f'"{path.stem}"' in sources, f"nothing runs probe/scripts/{path.name}"
 
 
-def ast_imports(source: str, path: Path) -> list[tuple[int, str]]:
-    tmp = path.with_name("_tmp_check.py")
-    return [(n.lineno, n.module or "") for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom)]
+def test_an_upward_import_is_reported_even_inside_a_function():
+    """The checker can fail: a lazy import of the CLI from the store is caught like a top-level one."""
+    assert upward("store", [(2, "bwstack.cli.main")]) == ["line 2: bwstack.cli.main (cli is above store)"]
+    assert upward("cli", [(2, "bwstack.store.generations")]) == []

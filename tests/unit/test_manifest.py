@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from bwstack.fsutil import sha256_file
 from bwstack.store import manifest
 
 
@@ -20,7 +21,7 @@ def test_a_hash_is_reused_while_its_anchor_still_holds_the_inode(tmp_path):
     cache.add(env, _entries(env))
     st = (env / "a.py").stat()
     known = cache.load(st.st_dev)
-    assert known[(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)] == manifest.hash_file(env / "a.py")
+    assert known[(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)] == sha256_file(env / "a.py")
 
 
 def test_an_entry_whose_anchor_is_gone_is_not_trusted_even_if_the_inode_number_comes_back(tmp_path):

@@ -15,6 +15,7 @@ import pytest
 from realwheels import site_packages, wheel_bytes
 
 from bwstack.errors import PreflightError, UsageError
+from bwstack.lock import patch_catalogue
 from bwstack.provision import patches
 from bwstack.provision.patches import PatchRefusedError
 
@@ -31,8 +32,8 @@ def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def family(version: str) -> patches.Family:
-    fam = patches.catalogue()[PATCH].family_for(version)
+def family(version: str) -> patch_catalogue.Family:
+    fam = patch_catalogue.catalogue()[PATCH].family_for(version)
     assert fam is not None
     return fam
 
@@ -431,4 +432,4 @@ def test_an_unknown_patch_id_is_a_usage_error(tmp_path: Path) -> None:
 
 
 def test_known_patch_ids_lists_the_catalogue() -> None:
-    assert patches.known_patch_ids() == (PATCH,)
+    assert patch_catalogue.known_patch_ids() == (PATCH,)

@@ -98,7 +98,7 @@ def twin_env(real, tmp_path):
 
 
 def test_sgl_kernel_against_torch_2_8_fails_the_abi_check_naming_the_symbol(real, twin_env):
-    from bwstack.provision.uvtool import run_uv, uv_env
+    from bwstack.lock.uvtool import run_uv, uv_env
 
     result = run_uv(
         ["pip", "install", "--python", str(twin_env / "bin" / "python"), "--no-deps", "torch==2.8.0"],

@@ -154,8 +154,8 @@ def test_the_kill_tests_cover_more_than_twenty_points():
 
 
 def _hand_made_env(stack) -> Path:
+    from bwstack.lock.uvtool import run_uv, uv_env
     from bwstack.provision.envbuild import find_python
-    from bwstack.provision.uvtool import run_uv, uv_env
 
     subprocess.run([find_python("3.12"), "-m", "venv", "--without-pip", str(stack.ml_env)], check=True)
     old = [

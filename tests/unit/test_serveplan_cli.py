@@ -96,9 +96,10 @@ def test_each_reference_config_names_the_architecture_sglang_resolves():
 def test_the_probe_zipapp_carries_the_node_side_and_the_reference_configs(tmp_path):
     bundle = probe_bundle.write(tmp_path / "probe.pyz")
     names = set(zipfile.ZipFile(bundle).namelist())
-    assert {"bwstack/serveplan/node.py", "bwstack/serveplan/inenv.py", "bwstack/serveplan/references.py"} <= names
-    assert not {"bwstack/serveplan/assemble.py", "bwstack/serveplan/cli.py"} & names  # controller side stays home
-    code = "from bwstack.serveplan import references; print(','.join(references.reference_names()))"
+    want = {f"bwstack/probe/{name}.py" for name in ("serveplan/node", "serveplan/references", "scripts/serveplan")}
+    assert want <= names
+    assert not {n for n in names if n.startswith("bwstack/serveplan/")}  # the controller side stays home
+    code = "from bwstack.probe.serveplan import references; print(','.join(references.reference_names()))"
     out = subprocess.run(
         [sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(bundle)!r}); {code}"],
         capture_output=True,
@@ -108,22 +109,3 @@ def test_the_probe_zipapp_carries_the_node_side_and_the_reference_configs(tmp_pa
     assert out.split(",") == sorted(REFERENCES)
 
 
-def test_the_node_side_imports_only_the_standard_library_and_node_side_modules():
-    """inenv.py runs in the env's interpreter (no bwstack there); node.py and references.py run in the probe."""
-    import ast
-    from pathlib import Path
-
-    root = Path(references.__file__).parent
-    allowed = {"bwstack.probe.elfscan", "bwstack.probe.envinspect", "bwstack.probe.fatbin", "bwstack.probe.features", "bwstack.probe.main",
-               "bwstack.serveplan", "bwstack"}  # fmt: skip
-    for name, extra in (("inenv.py", set()), ("node.py", allowed), ("references.py", allowed)):
-        tree = ast.parse((root / name).read_text())
-        for node in tree.body:  # module level: inenv imports the env's packages inside functions only
-            modules = []
-            if isinstance(node, ast.Import):
-                modules = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                modules = [node.module or ""]
-            for module in modules:
-                top = module.split(".")[0]
-                assert top in sys.stdlib_module_names or module in extra or top == "__future__", (name, module)

@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from bwstack.probe import interp
+
 WORKER = Path(__file__).with_name("gpu_worker.py")
 FORCED_ENV = {
     "NCCL_NVLS_ENABLE": "0",
@@ -62,7 +64,7 @@ class GroupResult:
 
 
 def child_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env = interp.clean_env(base=base)
     for key, value in DEFAULT_ENV.items():
         env.setdefault(key, value)
     env.update(FORCED_ENV)

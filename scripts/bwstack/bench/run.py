@@ -36,12 +36,12 @@ from packaging.requirements import Requirement
 from bwstack.checks import verify
 from bwstack.lock.model import load_lock, spec_digest
 from bwstack.lock.read import load_yaml, read_lock_text
-from bwstack.lock.tags import Target
+from bwstack.lock.tags import Target, select
+from bwstack.lock.uvtool import run_uv, uv_env
 from bwstack.probe import envinspect
 from bwstack.provision import backup, build
 from bwstack.provision.envbuild import find_python
-from bwstack.provision.uvtool import run_uv, uv_env
-from bwstack.provision.wheelhouse import Fetcher, Sources, select
+from bwstack.provision.wheelhouse import Fetcher, Sources
 from bwstack.store.generations import Layout, Store, remove_tree
 
 QUICK_ROOTS = ("requests", "packaging", "typing-extensions")  # a small real closure from the cu128 lock

@@ -55,7 +55,7 @@ def cmd_lock(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from bwstack.cli import show
+    from bwstack.lock import describe as show
 
     lock = _lock(args)
     profile = lock.profile(args.profile)
@@ -306,8 +306,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
-    from bwstack.lock.tags import Target
-    from bwstack.provision.wheelhouse import Fetcher, Sources, export, select
+    from bwstack.lock.tags import Target, select
+    from bwstack.provision.wheelhouse import Fetcher, Sources, export
 
     lock = _lock(args)
     profile = lock.profile(args.profile)
@@ -353,9 +353,9 @@ def cmd_render(args: argparse.Namespace) -> int:
 def cmd_env_install(args: argparse.Namespace) -> int:
     """Install a rendered requirement file into an env (the Docker build's per-layer step)."""
     from bwstack.lock import requirements
-    from bwstack.lock.tags import Target
+    from bwstack.lock.tags import Target, select
     from bwstack.provision import envbuild
-    from bwstack.provision.wheelhouse import Fetcher, Sources, select
+    from bwstack.provision.wheelhouse import Fetcher, Sources
 
     _apply_ca(args)
     env = Path(args.into)

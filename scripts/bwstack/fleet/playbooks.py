@@ -29,6 +29,7 @@ from pathlib import Path
 from bwstack import paths
 from bwstack.checks import hostspec
 from bwstack.errors import BwstackError, UsageError
+from bwstack.fsutil import sha256_file
 
 GROUP = "bwstack_nodes"
 # Fixed zip timestamps (2026-01-01): an unchanged checkout gives the same wheel bytes, so shipping it to a
@@ -79,14 +80,6 @@ def source_tree() -> Path | None:
 
 
 # ------------------------------------------------------------------------------------------------ controller facts
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _atomic_copy_into(src: Path, dest_dir: Path) -> Path:
@@ -158,7 +151,7 @@ def build_wheel(directory: Path) -> dict:
     try:
         built = json.loads(stamp.read_text())
         path = directory / built["name"]
-        if built["source"] == source_digest and path.is_file() and _sha256(path) == built["sha256"]:
+        if built["source"] == source_digest and path.is_file() and sha256_file(path) == built["sha256"]:
             return {"path": str(path), "name": path.name, "sha256": built["sha256"]}
     except (OSError, ValueError, KeyError):
         pass
@@ -175,7 +168,7 @@ def build_wheel(directory: Path) -> dict:
             tail = (result.stderr or result.stdout).strip()[-800:]
             raise BwstackError(f"could not build the bwstack wheel from {src}: {tail}")
         path = _atomic_copy_into(wheels[0], directory)
-    result = {"path": str(path), "name": path.name, "sha256": _sha256(path)}
+    result = {"path": str(path), "name": path.name, "sha256": sha256_file(path)}
     stamp.write_text(json.dumps({"source": source_digest, "name": path.name, "sha256": result["sha256"]}))
     return result
 
@@ -212,7 +205,7 @@ def controller_facts(lock, probe_dir: str | None, wheel_dir: str | None, wheel: 
         path = Path(wheel)
         if not path.is_file() or not path.name.startswith("bwstack-") or path.suffix != ".whl":
             raise UsageError(f"--wheel {wheel}: not a bwstack wheel file")
-        facts["wheel"] = {"path": str(path.resolve()), "name": path.name, "sha256": _sha256(path)}
+        facts["wheel"] = {"path": str(path.resolve()), "name": path.name, "sha256": sha256_file(path)}
     elif wheel_dir:
         facts["wheel"] = build_wheel(Path(wheel_dir))
     return facts

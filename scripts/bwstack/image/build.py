@@ -157,8 +157,7 @@ def _stable(text: str, header: str) -> str:
 def stage_context(lock, profile, dest: Path, dockerfile: Path) -> StagedContext:
     """Write the build context: Dockerfile + inputs/ rendered from the lock."""
     from bwstack.lock import requirements
-    from bwstack.lock.tags import Target
-    from bwstack.provision.wheelhouse import select
+    from bwstack.lock.tags import Target, select
 
     closure = profile.require_closure(lock.path)
     text = dockerfile.read_text(encoding="utf-8")
@@ -247,7 +246,7 @@ def _tool_files() -> Iterator[tuple[str, Path]]:
 def build_tool_bundle(directory: Path, step_script: Path) -> ToolBundle:
     """tool.tar: what the build's RUN steps run (`python3.12 -m bwstack ...` with PYTHONPATH on it)."""
     from bwstack import __version__
-    from bwstack.provision.uvtool import uv_bin, uv_version
+    from bwstack.lock.uvtool import uv_bin, uv_version
 
     entries = list(_tool_files())
     entries.append(("bin/uv", Path(uv_bin())))
@@ -602,7 +601,7 @@ def _build_args(lock, profile, base: str, step_sha256: str, tool: ToolBundle, al
     """The build's public args: in the cache key and `docker history`, so nothing secret and nothing that
     changes from one build of the same lock to the next (except the labels' creation time, used last)."""
     from bwstack import __version__
-    from bwstack.cli.show import stack_versions
+    from bwstack.lock.describe import stack_versions
 
     versions = stack_versions(profile)
     return {

@@ -775,7 +775,7 @@ def _closure(node: _Node) -> Closure:
 
 def parse_lock(text: str, path: str = "stack.lock.yaml") -> Lock:
     """Parse and validate lock text; raise LockError naming the first problem."""
-    from bwstack.provision.patches import known_patch_ids  # the patch catalogue lives with the patch code
+    from bwstack.lock.patch_catalogue import known_patch_ids
 
     data = load_yaml(text, path)
     if data is None:

@@ -19,8 +19,7 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 
 from bwstack.errors import UsageError
 from bwstack.lock.model import ImageLayer, LockedPackage, Profile, Wheel
-from bwstack.lock.tags import Target
-from bwstack.provision.wheelhouse import select
+from bwstack.lock.tags import Target, select
 
 LINE_RE = re.compile(r"^(?P<name>[A-Za-z0-9._-]+) @ (?P<url>\S+)(?P<hashes>(?: --hash=sha256:[0-9a-f]{64})*)\s*$")
 

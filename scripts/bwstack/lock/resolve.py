@@ -27,7 +27,7 @@ from bwstack.fsutil import atomic_write_text
 from bwstack.lock import pypi
 from bwstack.lock.model import GENERATED_MARKER, HASH_SOURCE_PYPI, Lock, LockedPackage, Profile, Wheel
 from bwstack.lock.tags import Target, applicable_requirements, requested_extras
-from bwstack.provision.uvtool import run_uv, uv_env, uv_version
+from bwstack.lock.uvtool import run_uv, uv_env, uv_version
 
 
 def write_stub_wheel(directory: Path, filename: str, name: str, version: str, requires_dist: Iterable[str]) -> Path:

@@ -9,11 +9,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.tags import Tag, compatible_tags, cpython_tags
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
+
+from bwstack.errors import BwstackError
+
+if TYPE_CHECKING:
+    from bwstack.lock.model import LockedPackage, Wheel
 
 
 @dataclass(frozen=True)
@@ -101,3 +107,15 @@ def requested_extras(requirements: Iterable[Requirement]) -> Mapping[str, set[st
         if req.extras:
             wanted.setdefault(canonicalize_name(req.name), set()).update(req.extras)
     return wanted
+
+
+def select(packages: Mapping[str, LockedPackage], target: Target) -> dict[str, tuple[LockedPackage, Wheel]]:
+    """The one wheel per package the target installs: the best-ranked compatible file the lock lists."""
+    chosen = {}
+    for name, pkg in packages.items():
+        ranked = [(target.wheel_rank(w.file), i, w) for i, w in enumerate(pkg.wheels)]
+        ranked = [r for r in ranked if r[0] is not None]
+        if not ranked:
+            raise BwstackError(f"{name} {pkg.version}: the lock lists no wheel for CPython {target.python}")
+        chosen[name] = (pkg, min(ranked)[2])
+    return chosen

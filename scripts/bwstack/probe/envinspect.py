@@ -6,12 +6,11 @@ Standard library only: this module also runs on target hosts inside the verify p
 from __future__ import annotations
 
 import email.parser
-import json
-import os
 import re
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+
+from bwstack.probe import interp
 
 
 def canonical(name: str) -> str:
@@ -63,23 +62,9 @@ def installed(env: Path) -> dict[str, Installed]:
 
 def import_torch(env: Path) -> dict:
     """torch's version and CUDA as the env's own interpreter reports them ({'error': ...} when it cannot)."""
-    code = (
-        "import json\n"
-        "try:\n"
-        "    import torch\n"
-        "    print(json.dumps({'version': torch.__version__, 'cuda': torch.version.cuda}))\n"
-        "except ImportError as exc:\n"
-        "    print(json.dumps({'error': str(exc)}))\n"
-    )
-    # no bytecode: this may run inside a generation that is about to be, or already is, sealed
-    scrubbed = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    scrubbed["PYTHONDONTWRITEBYTECODE"] = "1"
-    try:
-        result = subprocess.run(
-            [str(Path(env) / "bin" / "python"), "-c", code], capture_output=True, text=True, env=scrubbed, timeout=600
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return {"error": str(exc)}
-    if result.returncode != 0:
-        return {"error": result.stderr.strip()[-500:]}
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    facts = interp.interpreter_facts(Path(env) / "bin" / "python", timeout=600)
+    if "error" in facts:
+        return {"error": facts["error"]}
+    if "torch_error" in facts:
+        return {"error": facts["torch_error"]}
+    return {"version": facts.get("torch"), "cuda": facts.get("torch_cuda")}

@@ -15,28 +15,19 @@ import platform
 import re
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bwstack.probe import elfscan, envinspect, fatbin, features, waivers
+from bwstack.probe import elfscan, envinspect, fatbin, features, interp, schema, waivers
 
-PROBE_VERSION = 1
 DRIVER_LIBS = {"libcuda.so.1", "libnvidia-ml.so.1"}
 TORCH_NEEDED = re.compile(r"^lib(torch|c10)")
 SKIP_TOP = {"torch", "nvidia", "triton", "cuda", "numpy", "scipy"}  # not torch extensions (or torch itself)
 
 
-def _run(cmd: list[str], timeout: int = 120, env: dict | None = None) -> tuple[int, str, str]:
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except FileNotFoundError:
-        return 127, "", f"{cmd[0]}: not found"
-    except subprocess.TimeoutExpired:
-        return 124, "", f"{' '.join(cmd)}: timed out after {timeout}s"
-    return out.returncode, out.stdout, out.stderr
+_run = interp.run
 
 
 def default_env() -> Path:
@@ -157,8 +148,7 @@ def cuda_facts(env: Path, capability: str) -> dict:
     python = env / "bin" / "python"
     facts: dict = {}
     code = "import os, shutil; print(os.environ.get('CUDA_HOME') or ''); print(shutil.which('nvcc') or '')"
-    scrubbed = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    rc, out, err = _run([str(python), "-c", code], env=scrubbed)
+    rc, out, err = _run([str(python), "-c", code], env=interp.clean_env())
     lines = ([*out.splitlines(), "", ""])[:2] if rc == 0 else ["", ""]
     facts["cuda_home_env"] = lines[0] or None
     facts["nvcc_on_path"] = lines[1] or None
@@ -391,23 +381,12 @@ def _stub_libcuda(sp: Path, out_dir: Path) -> Path | None:
     return lib if rc == 0 else None
 
 
-IMPORT_SCRIPT = r"""
-import json, sys, traceback
-out = {}
-for name, statement in json.loads(sys.argv[1]).items():
-    try:
-        exec(statement, {})
-        out[name] = {"ok": True, "error": ""}
-    except BaseException as exc:  # report every module, whatever one of them raises
-        out[name] = {"ok": False, "error": "".join(traceback.format_exception_only(type(exc), exc))}
-print("BWSTACK-IMPORTS " + json.dumps(out))
-"""
 
 
 def _import_all(python: str, statements: dict[str, str], env: dict) -> dict[str, dict]:
     """Import the modules in one interpreter (torch loads once: ~4x faster than one process each); if that
     interpreter dies (a segfault in an extension), fall back to one process per module."""
-    rc, out, err = _run([python, "-c", IMPORT_SCRIPT, json.dumps(statements)], timeout=900, env=env)
+    rc, out, err = interp.run_script(python, "imports", json.dumps(statements), timeout=900, env=env)
     for line in out.splitlines():
         if line.startswith("BWSTACK-IMPORTS "):
             return json.loads(line.split(" ", 1)[1])
@@ -420,7 +399,7 @@ def _import_all(python: str, statements: dict[str, str], env: dict) -> dict[str,
 
 def import_facts(env: Path, sp: Path, gpu_present: bool) -> dict:
     python = str(env / "bin" / "python")
-    base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    base = interp.clean_env()
     results: dict = {m: {"installed": False} for m in IMPORTS if not (sp / m).is_dir()}
     wanted = {m: stmt for m, stmt in IMPORTS.items() if m not in results}
     first = _import_all(python, wanted, base) if wanted else {}
@@ -472,86 +451,15 @@ def _last_error(stderr: str) -> str:
 
 # ------------------------------------------------------------------------------------------------ runtime
 
-RUNTIME_SCRIPT = r"""
-import json, os, sys
-out = {}
-try:
-    import torch
-except Exception as exc:
-    print(json.dumps({"error": f"import torch: {exc}"})); sys.exit(0)
-out["cuda_available"] = torch.cuda.is_available()
-n = torch.cuda.device_count()
-out["device_count"] = n
-devices = []
-for i in range(n):
-    d = {"index": i, "name": torch.cuda.get_device_name(i), "capability": "%d.%d" % torch.cuda.get_device_capability(i)}
-    try:
-        a = torch.randn(512, 512, device=f"cuda:{i}")
-        b = torch.randn(512, 512, device=f"cuda:{i}")
-        ref = (a.double().cpu() @ b.double().cpu())
-        got = (a @ b).double().cpu()
-        d["matmul_max_rel_err"] = float(((got - ref).abs().max() / ref.abs().max()).item())
-        d["matmul_ok"] = d["matmul_max_rel_err"] < 1e-2
-    except Exception as exc:
-        d["matmul_ok"] = False; d["matmul_error"] = str(exc)[:400]
-    devices.append(d)
-out["devices"] = devices
-def rms_ref(x, w, eps):
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
-if n:
-    x = torch.randn(8, 1024, dtype=torch.bfloat16, device="cuda:0")
-    w = torch.randn(1024, dtype=torch.bfloat16, device="cuda:0")
-    try:
-        import sgl_kernel
-        y = sgl_kernel.rmsnorm(x, w, 1e-6)
-        err = float((y.float() - rms_ref(x, w, 1e-6).float()).abs().max().item())
-        out["sgl_kernel_rmsnorm"] = {"ok": err < 0.1, "max_abs_err": err}
-    except Exception as exc:
-        out["sgl_kernel_rmsnorm"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:600]}
-    try:
-        import flashinfer
-        y = flashinfer.norm.rmsnorm(x, w, 1e-6)
-        err = float((y.float() - rms_ref(x, w, 1e-6).float()).abs().max().item())
-        out["flashinfer_rmsnorm"] = {"ok": err < 0.1, "max_abs_err": err}
-    except Exception as exc:
-        out["flashinfer_rmsnorm"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:600]}
-print(json.dumps(out))
-"""
 
-NCCL_SCRIPT = r"""
-import json, os, sys, tempfile
-import torch, torch.distributed as dist, torch.multiprocessing as mp
-def work(rank, world, init, q):
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
-    t = torch.full((1024,), float(rank + 1), device=f"cuda:{rank}")
-    dist.all_reduce(t)
-    torch.cuda.synchronize()
-    q.put((rank, float(t[0].item()), float(t.min().item()), float(t.max().item())))
-    dist.destroy_process_group()
-if __name__ == "__main__":
-    world = torch.cuda.device_count()
-    init = "file://" + tempfile.mktemp(prefix="bwstack-nccl-")
-    ctx = mp.get_context("spawn"); q = ctx.Queue()
-    mp.start_processes(work, args=(world, init, q), nprocs=world, join=True, start_method="spawn")
-    got = sorted(q.get() for _ in range(world))
-    want = world * (world + 1) / 2
-    print(json.dumps({"world_size": world, "expected": want, "results": got,
-                      "ok": all(v == want and lo == want and hi == want for _, v, lo, hi in got),
-                      "nccl": ".".join(map(str, torch.cuda.nccl.version()))}))
-"""
 
 
 def runtime_facts(env: Path) -> dict:
     python = str(env / "bin" / "python")
-    base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    rc, out, err = _run([python, "-c", RUNTIME_SCRIPT], timeout=900, env=base)
+    base = interp.clean_env()
+    rc, out, err = interp.run_script(python, "runtime", timeout=900, env=base)
     facts = json.loads(out.strip().splitlines()[-1]) if rc == 0 and out.strip() else {"error": _last_error(err)}
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
-        script.write(NCCL_SCRIPT)
-    rc, out, err = _run([python, script.name], timeout=900, env=base)
-    os.unlink(script.name)
+    rc, out, err = interp.run_script(python, "nccl_allreduce", timeout=900, env=base, as_file=True)
     facts["nccl_allreduce"] = (
         json.loads(out.strip().splitlines()[-1])
         if rc == 0 and out.strip()
@@ -565,10 +473,10 @@ def runtime_facts(env: Path) -> dict:
 
 def collect(
     env: Path, capability: str = "12.0", runtime: bool = True, imports: bool = True, serve_plan: dict | None = None
-) -> dict:
+) -> schema.Facts:
     import time
 
-    facts: dict = {"probe_version": PROBE_VERSION, "capability": capability, "timings": {}}
+    facts: schema.Facts = {schema.SCHEMA_KEY: schema.SCHEMA_VERSION, "capability": capability, "timings": {}}
     started = time.perf_counter()
 
     def lap(name: str) -> None:

@@ -20,10 +20,10 @@ from pathlib import Path
 from bwstack.errors import BwstackError
 from bwstack.fsutil import free_bytes, tree_size
 from bwstack.lock.model import Lock, Profile
-from bwstack.lock.tags import Target
+from bwstack.lock.tags import Target, select
 from bwstack.probe import envinspect
 from bwstack.provision import backup, envbuild, patches
-from bwstack.provision.wheelhouse import Fetcher, LocalWheel, Sources, select
+from bwstack.provision.wheelhouse import Fetcher, LocalWheel, Sources
 from bwstack.store.generations import (
     Generation,
     Layout,

@@ -22,9 +22,9 @@ from pathlib import Path
 from bwstack.errors import BwstackError
 from bwstack.fsutil import atomic_write_text, fsync_dir
 from bwstack.lock.model import Profile
-from bwstack.lock.tags import Target
-from bwstack.provision.uvtool import run_uv, uv_env
-from bwstack.provision.wheelhouse import Fetcher, link_dir, select
+from bwstack.lock.tags import Target, select
+from bwstack.lock.uvtool import run_uv, uv_env
+from bwstack.provision.wheelhouse import Fetcher, link_dir
 
 MARKER = "bwstack-toolkit.json"
 SKIP = {"__init__.py", "__pycache__", ".metadata"}

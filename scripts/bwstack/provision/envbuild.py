@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from bwstack.errors import BwstackError, UsageError
-from bwstack.probe import envinspect, preflight
-from bwstack.provision.uvtool import run_uv, uv_env
+from bwstack.lock.uvtool import run_uv, uv_env
+from bwstack.probe import envinspect, interp, preflight
 from bwstack.provision.wheelhouse import LocalWheel
 
 
@@ -76,13 +76,8 @@ def install(
 
 
 def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The caller's environment without what would make a child interpreter load other code or other
-    bytecode rules: PYTHONPATH and friends, a CUDA_HOME of the caller's, SOURCE_DATE_EPOCH."""
-    drop = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONPYCACHEPREFIX", "PYTHONDONTWRITEBYTECODE",
-            "SOURCE_DATE_EPOCH", "CUDA_HOME", "VIRTUAL_ENV")  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env.update(extra or {})
-    return env
+    """The environment for running the env's tools during a build: the env as it runs on its own."""
+    return interp.clean_env(extra, own=True)
 
 
 def compile_bytecode(env_dir: Path) -> None:

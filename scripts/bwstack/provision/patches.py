@@ -16,20 +16,14 @@ as root), break hard links into a uv cache instead of writing through them, and 
 from __future__ import annotations
 
 import hashlib
-import re
 import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
-from functools import cache
-from importlib import resources
 from pathlib import Path
 
-import yaml
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.version import InvalidVersion, Version
-
 from bwstack.errors import BwstackError, IntegrityError, PreflightError, UsageError
-from bwstack.fsutil import atomic_write_bytes
+from bwstack.fsutil import atomic_write_bytes, sha256_file
+from bwstack.lock.patch_catalogue import Edit, Family, Patch, PatchCatalogueError, catalogue
 from bwstack.probe.features import dist_version
 
 # per-file states
@@ -42,9 +36,6 @@ UNSUPPORTED = "unsupported-version"
 # overall state only: some files original, the others applied (an interrupted apply/revert; both finish it)
 PARTIAL = "partial"
 
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
-
-
 class PatchRefusedError(PreflightError):
     """A patch cannot be applied or reverted safely here; nothing was written."""
 
@@ -53,110 +44,6 @@ class PatchRefusedError(PreflightError):
         self.path = path
         self.sha256 = sha256
         super().__init__(f"patch {patch_id}: {message}")
-
-
-class PatchCatalogueError(BwstackError):
-    """data/patches.yaml is inconsistent (an edit that does not produce its recorded hash): a bwstack bug."""
-
-
-# ------------------------------------------------------------------------------------------------ catalogue
-
-
-@dataclass(frozen=True)
-class Edit:
-    old: str
-    new: str
-
-
-@dataclass(frozen=True)
-class FileSpec:
-    path: str  # relative to site-packages
-    original_sha256: str
-    patched_sha256: str
-    edits: tuple[Edit, ...]
-
-
-@dataclass(frozen=True)
-class Family:
-    versions: str  # PEP 440 specifier set
-    verified: tuple[str, ...]
-    files: tuple[FileSpec, ...]
-
-    def contains(self, version: str) -> bool:
-        return _contains(self.versions, version)
-
-
-@dataclass(frozen=True)
-class Unsupported:
-    versions: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class Patch:
-    id: str
-    package: str
-    description: str
-    families: tuple[Family, ...]
-    unsupported: tuple[Unsupported, ...]
-
-    @property
-    def paths(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(f.path for fam in self.families for f in fam.files))
-
-    def family_for(self, version: str) -> Family | None:
-        return next((fam for fam in self.families if fam.contains(version)), None)
-
-
-def _contains(spec: str, version: str) -> bool:
-    try:
-        return SpecifierSet(spec).contains(Version(version), prereleases=True)
-    except InvalidVersion:
-        return False
-
-
-def _parse_patch(patch_id: str, node: dict) -> Patch:
-    def fail(message: str) -> PatchCatalogueError:
-        return PatchCatalogueError(f"data/patches.yaml: patches.{patch_id}: {message}")
-
-    if not isinstance(node, dict) or not node.get("package") or not node.get("families"):
-        raise fail("needs package and families")
-    families = []
-    for i, fam in enumerate(node["families"]):
-        try:
-            SpecifierSet(str(fam["versions"]))
-        except (KeyError, InvalidSpecifier) as exc:
-            raise fail(f"families[{i}].versions: {exc}") from None
-        files = []
-        for spec in fam.get("files") or ():
-            for key in ("original_sha256", "patched_sha256"):
-                if not _SHA256.match(str(spec.get(key, ""))):
-                    raise fail(f"families[{i}] {spec.get('path')}: {key} is not a sha256")
-            edits = tuple(Edit(str(e["old"]), str(e["new"])) for e in spec.get("edits") or ())
-            if not edits:
-                raise fail(f"families[{i}] {spec.get('path')}: no edits")
-            files.append(FileSpec(str(spec["path"]), spec["original_sha256"], spec["patched_sha256"], edits))
-        if not files:
-            raise fail(f"families[{i}]: no files")
-        verified = tuple(str(v) for v in fam.get("verified") or ())
-        families.append(Family(str(fam["versions"]), verified, tuple(files)))
-    unsupported = tuple(Unsupported(str(u["versions"]), str(u["reason"])) for u in node.get("unsupported") or ())
-    return Patch(patch_id, str(node["package"]), str(node.get("description", "")), tuple(families), unsupported)
-
-
-@cache
-def _catalogue() -> dict:
-    text = resources.files("bwstack.data").joinpath("patches.yaml").read_text(encoding="utf-8")
-    return yaml.safe_load(text)["patches"]
-
-
-@cache
-def catalogue() -> dict[str, Patch]:
-    return {pid: _parse_patch(pid, node) for pid, node in _catalogue().items()}
-
-
-def known_patch_ids() -> tuple[str, ...]:
-    return tuple(sorted(_catalogue()))
 
 
 def _patches(patch_ids: Iterable[str] | None) -> list[Patch]:
@@ -169,10 +56,6 @@ def _patches(patch_ids: Iterable[str] | None) -> list[Patch]:
 
 
 # ------------------------------------------------------------------------------------------------ status
-
-
-def sha256_file(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -255,7 +138,7 @@ def _patch_state(site_packages: Path, patch: Patch) -> tuple[PatchState, Family 
 
 def _unsupported_reason(patch: Patch, version: str, current: dict[str, str | None]) -> str:
     for entry in patch.unsupported:
-        if _contains(entry.versions, version):
+        if entry.contains(version):
             return f"{patch.package} {version} is not supported: {entry.reason}"
     covered = "; ".join(fam.versions for fam in patch.families)
     reason = f"{patch.package} {version} is in no verified range of this patch ({covered})"

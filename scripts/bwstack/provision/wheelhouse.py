@@ -14,7 +14,6 @@ by bwstack) is not re-read on every build: uv checks every wheel's sha256 again 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import stat
@@ -27,10 +26,9 @@ from pathlib import Path
 import requests
 
 from bwstack.errors import BwstackError, HashMismatchError, UsageError
-from bwstack.fsutil import free_bytes
+from bwstack.fsutil import free_bytes, sha256_file
 from bwstack.lock import pypi
 from bwstack.lock.model import LockedPackage, Wheel
-from bwstack.lock.tags import Target
 
 CHUNK = 1 << 20
 DISK_MARGIN = 512 << 20
@@ -81,28 +79,9 @@ class Sources:
         return cls(houses, parsed, offline)
 
 
-def select(packages: Mapping[str, LockedPackage], target: Target) -> dict[str, tuple[LockedPackage, Wheel]]:
-    """The one wheel per package the target installs: the best-ranked compatible file the lock lists."""
-    chosen = {}
-    for name, pkg in packages.items():
-        ranked = [(target.wheel_rank(w.file), i, w) for i, w in enumerate(pkg.wheels)]
-        ranked = [r for r in ranked if r[0] is not None]
-        if not ranked:
-            raise BwstackError(f"{name} {pkg.version}: the lock lists no wheel for CPython {target.python}")
-        chosen[name] = (pkg, min(ranked)[2])
-    return chosen
-
-
 def _store_path(store: Path, sha256: str, file: str) -> Path:
     return store / sha256[:2] / sha256 / file
 
-
-def _hash_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _is_regular(path: Path) -> bool:
@@ -115,7 +94,7 @@ def _is_regular(path: Path) -> bool:
 
 def check_wheel_file(pkg: LockedPackage, wheel: Wheel, path: Path, origin: str) -> str:
     """The sha256 of a local wheel file, which must be the lock's (when it has one); the refusal names both."""
-    actual = _hash_file(path)
+    actual = sha256_file(path, follow_links=True)  # a wheelhouse may link into a shared cache: content is checked
     if wheel.sha256 is not None and actual != wheel.sha256:
         raise HashMismatchError(
             f"{pkg.name} {pkg.version}: {wheel.file} from {origin} has sha256 {actual}, the lock expects "
@@ -192,7 +171,7 @@ class Fetcher:
                 self._discard(pkg, cached, "is not a regular file")
             return None
         if self.rehash_store:
-            actual = _hash_file(cached)
+            actual = sha256_file(cached)
             if actual != wheel.sha256:
                 self._discard(pkg, cached, f"has sha256 {actual}, not the lock's {wheel.sha256}")
                 return None
@@ -305,7 +284,7 @@ def export(wheels: Mapping[str, LocalWheel], directory: Path, log=print) -> list
     for wheel in sorted(wheels.values(), key=lambda w: w.file):
         out = directory / wheel.file
         if _is_regular(out):
-            actual = _hash_file(out)
+            actual = sha256_file(out)
             if actual == wheel.sha256:
                 continue
             why = f"has sha256 {actual}, not {wheel.sha256}"

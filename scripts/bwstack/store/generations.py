@@ -32,15 +32,14 @@ import json
 import os
 import shutil
 import stat
-import subprocess
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
 from bwstack.errors import BwstackError, IntegrityError, UsageError
-from bwstack.fsutil import atomic_symlink, atomic_write_text, fsync_dir
-from bwstack.probe import envinspect
+from bwstack.fsutil import atomic_symlink, atomic_write_text, fsync_dir, sha256_file
+from bwstack.probe import envinspect, interp
 from bwstack.store import manifest
 from bwstack.store.objects import ObjectStore
 
@@ -499,7 +498,7 @@ class Store:
         atomic_write_text(building / RECORD, json.dumps(record, indent=2), mode=0o444)
         st = os.lstat(building / RECORD)
         record_entry = manifest.Entry(
-            RECORD, "f", st.st_size, 0o444, manifest.hash_file(building / RECORD), st.st_ino, st.st_mtime_ns,
+            RECORD, "f", st.st_size, 0o444, sha256_file(building / RECORD), st.st_ino, st.st_mtime_ns,
             st.st_uid, st.st_gid,
         )  # fmt: skip
         doc = manifest.Manifest(
@@ -861,40 +860,14 @@ def write_hook(env: Path, name: str) -> None:
     (sp / HOOK_PTH).write_text("import _bwstack_generation\n")
 
 
-_ENV_CHECK = (
-    "import json, os, sys\n"
-    "out = {'generation': os.environ.get('BWSTACK_GENERATION'), 'python': sys.version.split()[0],\n"
-    "       'prefix': os.path.realpath(sys.prefix),\n"
-    "       'cuda_home': os.environ.get('CUDA_HOME')}\n"
-    "try:\n"
-    "    import torch\n"
-    "    out['torch'] = torch.__version__; out['torch_cuda'] = torch.version.cuda\n"
-    "except ImportError as exc:\n"
-    "    out['torch_error'] = str(exc)\n"
-    "print(json.dumps(out))\n"
-)
-
-
 def run_env_check(env_path: Path, real_env: Path, name: str, torch: dict, *, what: str = "env check") -> dict:
     """Run the env's interpreter through `env_path`: it must start inside `real_env` (generation `name`) and,
     where a torch was recorded, import that torch with its CUDA version. Writes no bytecode."""
-    from bwstack.provision.envbuild import clean_env
-
     python = env_path / "bin" / "python"
     started = time.perf_counter()
-    try:
-        result = subprocess.run(
-            [str(python), "-c", _ENV_CHECK], capture_output=True, text=True, timeout=300,
-            env=clean_env({"PYTHONDONTWRITEBYTECODE": "1"}),
-        )  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise BwstackError(f"{what}: {python} did not run ({exc})") from None
-    if result.returncode != 0:
-        raise BwstackError(f"{what}: {python} failed: {result.stderr.strip()[-400:]}")
-    try:
-        facts = json.loads(result.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        raise BwstackError(f"{what}: {python} printed no result ({result.stdout.strip()[-200:]!r})") from None
+    facts = interp.interpreter_facts(python)
+    if "error" in facts:
+        raise BwstackError(f"{what}: {python} did not run: {facts['error'][-400:]}")
     facts["seconds"] = round(time.perf_counter() - started, 3)
     if facts.get("generation") != name and facts.get("prefix") != os.path.realpath(real_env):
         raise BwstackError(f"{what}: {env_path} runs {facts.get('generation')}, expected {name}")

@@ -26,8 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from bwstack.fsutil import sha256_file
+
 FORMAT = 2
 MANIFEST_NAME = "manifest.json"
+
 CHUNK = 4 << 20
 MAX_MANIFEST_BYTES = 512 << 20
 KINDS = ("f", "l", "d")
@@ -139,13 +142,6 @@ def read(path: Path) -> Manifest:
     return parse(data)
 
 
-def hash_file(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    with open(fd, "rb", buffering=0) as handle:
-        while chunk := handle.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def walk(
@@ -193,7 +189,7 @@ def build(
         else:
             raise ValueError(f"{root / rel}: not a regular file, directory or symlink")
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 2) as pool:
-        hashes = pool.map(lambda item: hash_file(root / item[1]), to_hash)
+        hashes = pool.map(lambda item: sha256_file(root / item[1]), to_hash)
         for (index, rel, st), sha in zip(to_hash, hashes, strict=True):
             entries[index] = _entry(rel, "f", st, sha)
     return [e for e in entries if e is not None]
@@ -292,7 +288,7 @@ def _compare(root: Path, rel: str, st: os.stat_result, entry: Entry, legacy: boo
 
 def _safe_hash(path: Path) -> str:
     try:
-        return hash_file(path)
+        return sha256_file(path)
     except OSError as exc:
         return f"unreadable ({exc.strerror})"
 

@@ -19,6 +19,7 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
+from bwstack.fsutil import sha256_file
 from bwstack.store import manifest
 
 SHA_LEN = 64
@@ -66,7 +67,7 @@ class ObjectStore:
         if not stat.S_ISREG(st.st_mode):
             return None
         try:
-            return path if manifest.hash_file(path) == sha else None
+            return path if sha256_file(path) == sha else None
         except OSError:
             return None
 

@@ -17,11 +17,10 @@ import re
 import subprocess
 import tempfile
 from dataclasses import asdict, dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import TypedDict
 
-from bwstack.probe import elfscan, envinspect, fatbin, features
+from bwstack.probe import elfscan, envinspect, fatbin, features, interp
 from bwstack.probe import main as probe
 from bwstack.probe.serveplan import references
 
@@ -84,7 +83,7 @@ class Observation:
 
 
 def _script() -> bytes:
-    return resources.files("bwstack.probe.serveplan").joinpath("inenv.py").read_bytes()
+    return interp.script_source("serveplan").encode("utf-8")
 
 
 def _model_path(value: str, models_dir: Path) -> str:
@@ -124,7 +123,7 @@ def _driver_present() -> bool:
 
 
 def _child_env(base: dict[str, str], bin_dir: Path | None, stub_dir: Path | None) -> dict[str, str]:
-    env = {k: v for k, v in base.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env = interp.clean_env(base=base)
     env.update(OFFLINE)
     if bin_dir is not None:
         env["PATH"] = f"{bin_dir}:{env.get('PATH', '/usr/bin:/bin')}"
@@ -469,8 +468,8 @@ def real_device(env: Path, interconnect: str) -> Device | None:
         "    print(json.dumps({'capability': '%d.%d' % c, 'count': torch.cuda.device_count(),\n"
         "                      'memory_mib': p.total_memory // 2**20, 'name': torch.cuda.get_device_name(0)}))\n"
     )
-    env_vars = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    rc, out, _ = probe._run([str(Path(env) / "bin" / "python"), "-I", "-c", code], env=env_vars)
+    env_vars = interp.clean_env()
+    rc, out, _ = interp.run([str(Path(env) / "bin" / "python"), "-I", "-c", code], env=env_vars)
     info = json.loads(out.strip().splitlines()[-1]) if rc == 0 and out.strip() else {}
     if not info:
         return None

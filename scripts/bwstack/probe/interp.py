@@ -1,0 +1,93 @@
+"""Running a child process from bwstack, and an env's own interpreter in particular.
+
+One rule for the environment a child gets (`clean_env`) and one way to run the scripts of probe/scripts in an
+env's interpreter (`run_script`), for the probe and for every layer above it: the copies of these that used to
+live in five modules disagreed about what to drop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+
+# What would make a child interpreter load other code than the env's (or run a user's start-up file).
+ISOLATING = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONPYCACHEPREFIX")
+# What the env must not inherit from the caller when it is to run as it does on its own (bytecode rules,
+# reproducible-build stamps, the caller's toolkit and venv): builds and the env checks drop these too; an
+# observer of the caller's situation (the probe's CUDA facts) keeps them, since they are part of what it sees.
+OWN = ("PYTHONDONTWRITEBYTECODE", "SOURCE_DATE_EPOCH", "CUDA_HOME", "VIRTUAL_ENV")
+
+
+def clean_env(
+    extra: Mapping[str, str] | None = None, *, base: Mapping[str, str] | None = None, own: bool = False
+) -> dict[str, str]:
+    """`base` (the caller's environment by default) without ISOLATING (and OWN when the env is to run as on its
+    own), plus `extra`."""
+    drop = ISOLATING + OWN if own else ISOLATING
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in drop}
+    env.update(extra or {})
+    return env
+
+
+def run(cmd: list[str], timeout: int = 120, env: Mapping[str, str] | None = None) -> tuple[int, str, str]:
+    """(returncode, stdout, stderr); a missing program is 127 and a timeout 124, as a shell would say."""
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except FileNotFoundError:
+        return 127, "", f"{cmd[0]}: not found"
+    except subprocess.TimeoutExpired:
+        return 124, "", f"{' '.join(cmd)}: timed out after {timeout}s"
+    except OSError as exc:
+        return 126, "", f"{cmd[0]}: {exc.strerror or exc}"
+    return out.returncode, out.stdout, out.stderr
+
+
+def script_source(name: str) -> str:
+    """The text of probe/scripts/<name>.py (read through importlib.resources: the probe may be a zipapp)."""
+    return resources.files("bwstack.probe.scripts").joinpath(f"{name}.py").read_text(encoding="utf-8")
+
+
+def run_script(
+    python: str | os.PathLike,
+    name: str,
+    *args: str,
+    env: Mapping[str, str] | None = None,
+    timeout: int = 600,
+    as_file: bool = False,
+) -> tuple[int, str, str]:
+    """Run probe/scripts/<name>.py in `python` (isolated from the caller's PYTHONPATH by `env`, clean_env() by
+    default). `as_file`: from a temporary file, for scripts that spawn workers (multiprocessing needs a path)."""
+    env = clean_env() if env is None else env
+    if not as_file:
+        return run([str(python), "-c", script_source(name), *args], timeout=timeout, env=env)
+    with tempfile.TemporaryDirectory(prefix="bwstack-script-") as folder:
+        path = Path(folder) / f"{name}.py"
+        path.write_text(script_source(name), encoding="utf-8")
+        return run([str(python), str(path), *args], timeout=timeout, env=env)
+
+
+def last_json_line(out: str) -> dict | None:
+    """The JSON object a script printed last (scripts print one line; libraries may print before it)."""
+    for line in reversed(out.strip().splitlines()):
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        return value if isinstance(value, dict) else None
+    return None
+
+
+def interpreter_facts(python: str | os.PathLike, *, timeout: int = 300) -> dict:
+    """What probe/scripts/interpreter.py reports for `python` (no bytecode written: it may run inside a sealed
+    generation); {"error": ...} when the interpreter does not run."""
+    env = clean_env({"PYTHONDONTWRITEBYTECODE": "1"}, own=True)
+    rc, out, err = run_script(python, "interpreter", env=env, timeout=timeout)
+    facts = last_json_line(out) if rc == 0 else None
+    if facts is None:
+        return {"error": (err.strip() or out.strip())[-500:] or f"{python} exited {rc}"}
+    return facts

@@ -1,0 +1,77 @@
+"""The probe's contract with the controller: a versioned facts document, and one rule for a child's environment."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from bwstack.probe import interp, schema
+
+GOOD = {"probe_version": schema.SCHEMA_VERSION, "host": {}, "gpu": {}, "env": {}}
+
+
+@pytest.mark.parametrize(
+    ("stdout", "says"),
+    [
+        ("", "printed no facts"),
+        ("not json\n", "printed no facts"),
+        ("[1, 2]\n", "printed list, not a facts document"),
+        (json.dumps({**GOOD, "probe_version": 1}), "speaks facts schema 1, this bwstack reads"),
+        (json.dumps({k: v for k, v in GOOD.items() if k != "probe_version"}), "speaks facts schema None"),
+        (json.dumps({**GOOD, "env": None}), "sent no 'env' section"),
+    ],
+    ids=["empty", "garbage", "not-an-object", "older-schema", "no-version", "missing-section"],
+)
+def test_a_facts_document_this_bwstack_cannot_read_is_refused_naming_the_host(stdout, says):
+    with pytest.raises(schema.FactsError, match="node-7") as caught:
+        schema.parse(stdout, "node-7")
+    assert says in str(caught.value)
+
+
+def test_the_facts_are_read_from_the_last_line_after_anything_a_library_printed():
+    facts = schema.parse("warning: something\n" + json.dumps(GOOD) + "\n", "node-7")
+    assert facts["probe_version"] == schema.SCHEMA_VERSION
+
+
+def test_the_probe_writes_the_schema_version_it_speaks(tmp_path):
+    from bwstack.probe.main import collect
+
+    facts = collect(tmp_path / "no-env", runtime=False, imports=False)
+    assert schema.parse(json.dumps(facts), "here")["env"]["exists"] is False
+
+
+CALLER = {
+    "PATH": "/usr/bin",
+    "PYTHONPATH": "/elsewhere",
+    "PYTHONHOME": "/x",
+    "PYTHONSTARTUP": "/x/startup.py",
+    "CUDA_HOME": "/usr/local/cuda-12.8",
+    "VIRTUAL_ENV": "/venv",
+    "SOURCE_DATE_EPOCH": "1",
+}
+
+
+@pytest.mark.parametrize(
+    ("own", "kept"),
+    [(False, {"PATH", "CUDA_HOME", "VIRTUAL_ENV", "SOURCE_DATE_EPOCH"}), (True, {"PATH"})],
+    ids=["observer", "env-on-its-own"],
+)
+def test_a_child_never_inherits_another_python_path_and_a_build_not_the_callers_toolkit(own, kept):
+    assert set(interp.clean_env(base=CALLER, own=own)) == kept
+
+
+def test_extra_variables_win_over_what_is_dropped():
+    assert interp.clean_env({"CUDA_HOME": "/gen/cuda"}, base=CALLER, own=True)["CUDA_HOME"] == "/gen/cuda"
+
+
+def test_an_in_env_script_runs_from_its_file_and_reports_the_interpreter():
+    facts = interp.interpreter_facts(sys.executable)
+    assert facts["python"] == sys.version.split()[0]
+    assert "torch" in facts or "torch_error" in facts
+
+
+def test_an_interpreter_that_does_not_run_is_an_error_not_a_traceback(tmp_path):
+    facts = interp.interpreter_facts(tmp_path / "bin" / "python")
+    assert "not found" in facts["error"]
