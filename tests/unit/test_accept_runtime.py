@@ -186,6 +186,13 @@ def test_a_single_gpu_all_reduce_has_no_bus_bandwidth_to_judge():
     assert findings["nccl.busbw"].verdict is Verdict.SKIP and findings["nccl.allreduce"].verdict is Verdict.PASS
 
 
+def test_a_single_rank_reports_no_time_or_bandwidth_that_would_look_like_a_fabric_figure():
+    """One rank moves no data: a 0.0 ms all-reduce at tens of TB/s "algbw" (seen on one H200) is not a figure."""
+    findings = _judge(allreduce=_allreduce(0.0, world=1))
+    shown = findings["nccl.allreduce"].detail + findings["nccl.busbw"].detail
+    assert "GB/s" not in shown and " ms" not in shown and "no peer traffic" in shown
+
+
 def test_wrong_sums_fail_the_all_reduce():
     found = _judge(allreduce=_allreduce(39.0, correct=False))["nccl.allreduce"]
     assert found.verdict is Verdict.FAIL and "wrong sums" in found.detail

@@ -220,7 +220,7 @@ def test_the_tool_bundle_is_bwstack_its_pure_python_dependencies_and_uv(tool, tm
     with tarfile.open(tool.path) as tar:
         names = set(tar.getnames())
         info = json.load(tar.extractfile("BWSTACK_TOOL.json"))
-    assert {"bwstack/cli.py", "bwstack/envbuild.py", "bwstack/data/patches.yaml", "bin/uv"} <= names
+    assert {"bwstack/cli/main.py", "bwstack/provision/envbuild.py", "bwstack/data/patches.yaml", "bin/uv"} <= names
     assert {"yaml/__init__.py", "requests/__init__.py", "packaging/version.py", "certifi/cacert.pem"} <= names
     assert not [n for n in names if n.endswith((".so", ".pyc"))]
     assert not [n for n in names if n.startswith(("docker/", "ansible/", "_pytest/", "elftools/"))]
