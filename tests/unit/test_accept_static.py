@@ -392,6 +392,28 @@ def test_garbage_in_a_sysfs_file_makes_that_fact_unknown_saying_why(tmp_path, ca
     assert found.verdict is Verdict.UNKNOWN and why in found.detail
 
 
+# The resource file of a real H200 in a VM (recorded on a device run, 2026-12-01): BAR0 is 64-bit there, so it
+# takes lines 0 and 1, and BAR1 is line 2; nvidia-smi -q -d MEMORY said "BAR1 Memory Usage / Total: 262144 MiB".
+H200_VM_RESOURCE = (
+    "0x0000104002000000 0x0000104002ffffff 0x000000000014220c\n"
+    "0x0000000000000000 0x0000000000000000 0x0000000000000000\n"
+    "0x0000100000000000 0x0000103fffffffff 0x000000000014220c\n"
+    "0x0000000000000000 0x0000000000000000 0x0000000000000000\n"
+    "0x0000104000000000 0x0000104001ffffff 0x000000000014220c\n"
+    "0x0000000000000000 0x0000000000000000 0x0000000000000000\n"
+    "0x0000000000000000 0x0000000000000000 0x0000000000000000\n"
+)
+
+
+def test_bar1_after_a_64_bit_bar0_is_read_from_the_next_free_register(tmp_path):
+    copy = _hostile_copy(tmp_path)
+    gpu = copy / "sys/devices/pci0000:00/0000:00:01.1/0000:01:00.0/0000:02:00.0/0000:03:00.0"
+    (gpu / "resource").write_text(H200_VM_RESOURCE)
+    facts = collect(Machine.recorded(copy))
+    bar1 = {g.bdf: g.bar1_bytes for g in facts.gpus}["0000:03:00.0"]
+    assert bar1 == 262144 * 2**20  # nvidia-smi's figure on that machine
+
+
 def test_an_nvidia_smi_row_with_other_fields_is_unknown_not_misread(tmp_path):
     copy = _hostile_copy(tmp_path)
     (copy / "commands/nvidia-smi-gpus.txt").write_text(

@@ -121,18 +121,26 @@ def numa_node(m: Machine, path: str) -> int | Unknown | None:
     return value
 
 
+IORESOURCE_MEM_64 = 0x00100000  # include/linux/ioport.h: a 64-bit memory BAR (it takes two BAR registers)
+
+
 def bar1_bytes(m: Machine, path: str) -> int | Unknown:
-    """BAR1 (NVIDIA's framebuffer aperture) from the `resource` file's second line."""
+    """BAR1 (NVIDIA's framebuffer aperture) from the device's `resource` file: one line per BAR register. BAR1
+    follows BAR0, which is 32-bit on bare-metal cards (BAR1 on line 1) but may be 64-bit, taking lines 0 and 1
+    (an H200 in a VM: BAR1 on line 2, as nvidia-smi's "BAR1 Memory Usage" confirms)."""
     text = m.read(f"{path}/resource")
     if isinstance(text, Unknown):
         return text
-    lines = text.splitlines()
     try:
-        start, end, _flags = (int(v, 16) for v in lines[1].split())
-    except (IndexError, ValueError):
+        rows = [tuple(int(v, 16) for v in line.split()) for line in text.splitlines()[:6]]
+        if len(rows) < 3 or any(len(r) != 3 for r in rows):
+            raise ValueError
+    except ValueError:
         return Unknown(f"{path}/resource has no BAR1 line in the kernel's format")
+    index = 2 if rows[0][2] & IORESOURCE_MEM_64 else 1
+    start, end, _flags = rows[index]
     if start == 0 and end == 0:
-        return Unknown("BAR1 is not assigned (resource line 1 is empty)")
+        return Unknown(f"BAR1 is not assigned (resource line {index} is empty)")
     return end - start + 1
 
 
