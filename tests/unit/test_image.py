@@ -246,6 +246,25 @@ def test_stage_refuses_a_dockerfile_whose_layers_differ_from_the_lock(tmp_path):
         context.stage_context(lock, lock.profile(None), tmp_path / "ctx", tmp_path / "Dockerfile")
 
 
+def test_docker_files_ship_with_the_package(monkeypatch):
+    """Without a checkout (or BWSTACK_DOCKER_DIR) the Dockerfile and step script come from the installed
+    package `bwstack_docker`, and pyproject.toml ships both."""
+    tomllib = pytest.importorskip("tomllib")
+    from bwstack import paths
+
+    monkeypatch.delenv("BWSTACK_DOCKER_DIR", raising=False)
+    monkeypatch.setattr(paths, "in_checkout", lambda *parts: None)
+    found = context.docker_files()
+    assert found.dockerfile.is_file() and found.step_script.is_file()
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert config["package-dir"]["bwstack_docker"] == "docker" and "bwstack_docker" in config["packages"]
+    assert {found.dockerfile.name, found.step_script.name} <= set(config["package-data"]["bwstack_docker"])
+    monkeypatch.setenv("BWSTACK_DOCKER_DIR", "/nonexistent")
+    monkeypatch.setattr(paths, "shipped", lambda *a, **k: None)
+    with pytest.raises(UsageError, match="docker/Dockerfile is not installed"):
+        context.docker_files()
+
+
 def test_the_tag_carries_the_lock_digest():
     profile = load_lock(CI_LOCK).profile(None)
     digest = profile.lock_digest().split(":")[1]
@@ -758,6 +777,8 @@ def test_a_real_build_stops_at_the_dockerfiles_check_when_the_step_script_differ
     lock = load_lock(CI_LOCK)
     profile = lock.profile(None)
     staged = context.stage_context(lock, profile, tmp_path / "ctx", DOCKER / "Dockerfile")
+    debian = system.pick(lock.system_packages, {"ID": "debian", "VERSION_ID": "12"})  # the CI base's OS
+    context.write_system_packages(staged.path, ci_image["base_image"], debian)
     # A planned script ci_image was not built with, so the step RUNs miss the cache and really run.
     planned = (DOCKER / "bwstack-step.py").read_bytes() + b"\n# a revision no earlier build used\n"
     forged = b"raise SystemExit('the forged step ran')\n"

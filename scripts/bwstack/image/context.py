@@ -81,14 +81,11 @@ def image_tag(template: str, profile) -> str:
 
 
 def _stable(text: str, header: str) -> str:
-    """A rendered file without `bwstack render`'s lock-digest header (it changes with every lock edit, which
-    would bust every layer's cache); its requirement lines and per-package notes stay as rendered."""
-    body = [
-        line
-        for line in text.splitlines()
-        if not line.startswith(("# bwstack: profile ", "# rendered from stack.lock.yaml"))
-    ]
-    return "\n".join([header, *body]) + "\n"
+    """A rendered file with `header` instead of `bwstack render`'s lock-digest header (which would bust every
+    layer's cache on any lock edit); its requirement lines and per-package notes stay as rendered."""
+    from bwstack.lock.requirements import without_header
+
+    return "\n".join([header, *without_header(text)]) + "\n"
 
 
 def stage_context(lock, profile, dest: Path, dockerfile: Path) -> StagedContext:
