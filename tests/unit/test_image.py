@@ -577,6 +577,38 @@ def test_the_cli_has_image_build_verify_and_bench():
         assert "usage: bwstack image " + action in result.stdout
 
 
+def _infra_collected(*options: str) -> set[str]:
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", str(REPO / "tests" / "infra"), "--collect-only", "-q", "--hosts=local://",
+         "-p", "no:cacheprovider", "-o", "addopts=", *options],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    return {line.split("::")[1].split("[")[0] for line in result.stdout.splitlines() if "::" in line}
+
+
+def test_the_image_checks_are_testinfra_checks_run_only_when_asked():
+    """tests/infra/test_image.py holds the image checks; a node's run leaves them out, image verify's
+    options (--stack-image-checks, --stack-image-scan-ca) bring them in, and --skip can name them."""
+    from bwstack.checks import verify
+
+    image_checks = {
+        "test_image_runs_as_a_non_root_user",
+        "test_image_labels_carry_the_lock_digest",
+        "test_image_history_shows_no_ca_or_secret",
+        "test_image_entrypoint_is_sglang_launch_server",
+        "test_image_has_a_healthcheck",
+    }
+    scan_check = "test_image_layers_hold_no_copy_of_the_ca"
+    node = _infra_collected()
+    assert node and not [name for name in node if name.startswith("test_image_")]
+    assert _infra_collected("--stack-image-checks") == node | image_checks
+    assert _infra_collected("--stack-image-checks", "--stack-image-scan-ca=/x.pem") == node | image_checks | {
+        scan_check
+    }
+    assert {name.removeprefix("test_") for name in image_checks | {scan_check}} <= set(verify.known_checks())
+
+
 # ------------------------------------------------------------------------------------------------ docker
 
 

@@ -86,9 +86,12 @@ def probe_base(client, base: str) -> BaseFacts:
         f"if [ -e /usr/local/cuda ]; then echo {_MARK}yes; else echo {_MARK}no; fi; "
         "cat /etc/os-release 2>/dev/null || cat /usr/lib/os-release 2>/dev/null || true"
     )
-    out = client.containers.run(
-        base, entrypoint=["/bin/sh", "-c"], command=[script], remove=True, network_disabled=True,
-    ).decode(errors="replace")  # fmt: skip
+    try:
+        out = client.containers.run(
+            base, entrypoint=["/bin/sh", "-c"], command=[script], remove=True, network_disabled=True,
+        ).decode(errors="replace")  # fmt: skip
+    except Exception as exc:  # docker.errors.ContainerError (no /bin/sh), APIError
+        raise BwstackError(f"cannot run base image {base} to read it: {str(exc).splitlines()[0][:300]}") from None
     has_cuda = f"{_MARK}yes" in out
     release = "\n".join(line for line in out.splitlines() if not line.startswith(_MARK))
     return BaseFacts(base, has_cuda, parse_os_release(release, f"/etc/os-release of {shlex.quote(base)}"))
