@@ -20,7 +20,15 @@ Steps:
                                    unless the base image already has /usr/local/cuda (then /toolkit is empty)
     patch ENV "PATCH_ID ..."       `bwstack patch apply` (an empty list: nothing to do)
 
-Standard library only (it runs before anything is installed). Python >= 3.8.
+Standard library only until it has fetched bwstack (it runs before anything is installed); Python >= 3.10,
+as bwstack itself.
+
+The rendered requirements format has one parser, bwstack.lock.requirements.parse. bwstack is not installed
+where this script runs, but every step that reads a requirement file fetches bwstack anyway (tool.tar, whose
+digest the build args pin) to run its command, so the step imports the parser from that bundle
+(`requirement_files` below) instead of carrying a second parser that could drift from it. (Copying the module
+into the build context instead would make it another input whose edits bust the layer cache, and it imports
+the lock model, so the copy would grow into a second bundle.)
 """
 
 from __future__ import annotations
@@ -65,18 +73,20 @@ def download(url: str, dest: str) -> int:
     raise AssertionError("unreachable")
 
 
-def requirement_files(path: str) -> list[tuple[str, str, bool]]:
-    """(name, wheel file name, has a hash) for each `NAME @ URL [--hash=sha256:H]` line of a rendered file."""
-    out = []
-    with open(path, encoding="utf-8") as handle:
-        for line in handle:
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            name, _, rest = line.partition(" @ ")
-            url = rest.split()[0]
-            out.append((name, urllib.parse.unquote(url.rsplit("/", 1)[-1]), "--hash=sha256:" in rest))
-    return out
+def requirement_files(step: Step, path: str) -> list[tuple[str, str, bool]]:
+    """(name, wheel file name, has a hash) for each line of a rendered requirement file, read by bwstack's own
+    parser from the bundle this step fetched (see the module's docstring)."""
+    step.fetch_tool()
+    if step.tool not in sys.path:
+        sys.path.insert(0, step.tool)
+    from bwstack.errors import BwstackError
+    from bwstack.lock.requirements import parse
+
+    try:
+        packages = parse(path)
+    except BwstackError as exc:
+        raise SystemExit(f"bwstack-step: {exc}") from None
+    return [(p.name, p.wheels[0].file, p.wheels[0].sha256 is not None) for p in packages.values()]
 
 
 class Step:
@@ -91,6 +101,8 @@ class Step:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def fetch_tool(self) -> None:
+        if os.path.isdir(self.tool):
+            return  # fetched once per step
         archive = os.path.join(self.tmp, "tool.tar")
         size = download(f"{self.server}/tool.tar", archive)
         with tarfile.open(archive) as tar:
@@ -140,14 +152,13 @@ class Step:
 
 
 def step_layer(step: Step, requirements: str) -> None:
-    lines = requirement_files(requirements)
+    lines = requirement_files(step, requirements)
     if not lines:
         log(f"{requirements}: no packages in this layer")
         return
     env = os.environ.get("BWSTACK_ENV", "/opt/ml-env")
     allowed = set(os.environ.get("BWSTACK_ALLOW_UNHASHED", "").split())
     unhashed = {name for name, _, hashed in lines if not hashed}
-    step.fetch_tool()
     step.fetch_wheels([f for _, f, _ in lines])
     args = [
         "env", "install", "--requirements", requirements, "--into", env,
@@ -178,8 +189,7 @@ def step_toolkit(step: Step, keyfile: str) -> None:
         )
         return
     home = key["home"]
-    files = [f for _, f, _ in requirement_files(os.path.join(os.path.dirname(keyfile), key["requirements"]))]
-    step.fetch_tool()
+    files = [f for _, f, _ in requirement_files(step, os.path.join(os.path.dirname(keyfile), key["requirements"]))]
     step.fetch_wheels(files)
     lock = os.path.join(step.tmp, "stack.lock.yaml")
     download(f"{step.server}/lock.yaml", lock)

@@ -22,3 +22,19 @@ def checkout() -> Path | None:
 def in_checkout(*parts: str) -> Path | None:
     root = checkout()
     return root.joinpath(*parts) if root else None
+
+
+def shipped(checkout_dir: str, package: str, marker: str, env: str | None = None) -> Path | None:
+    """A directory bwstack ships as data: $env if set, else the checkout's `checkout_dir`, else its copy installed
+    as the top-level package `package` (pyproject.toml maps the directory to it); the first holding `marker`."""
+    import importlib.util
+    import os
+
+    candidates = [os.environ.get(env) if env else None, in_checkout(checkout_dir)]
+    spec = importlib.util.find_spec(package)
+    if spec is not None and spec.submodule_search_locations:
+        candidates += list(spec.submodule_search_locations)
+    for candidate in candidates:
+        if candidate and (Path(candidate) / marker).is_file():
+            return Path(candidate)
+    return None

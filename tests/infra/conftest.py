@@ -38,9 +38,22 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="ignore the waivers the node's store remembers (use only --stack-skip)",
     )
     group.addoption(
+        "--stack-image-checks", action="store_true",
+        help="also check the image of the docker://CONTAINER host (test_image.py; what `bwstack image verify` runs)",
+    )  # fmt: skip
+    group.addoption(
+        "--stack-image-scan-ca", default=None, metavar="PEM",
+        help="with --stack-image-checks: also search the image's layers for the certificates in PEM",
+    )  # fmt: skip
+    group.addoption(
         "--stack-skip", action="append", default=[], metavar="CHECK=REASON",
         help="skip checks whose name contains CHECK, showing REASON (the operator's waiver; listed as SKIP)",
     )  # fmt: skip
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "image: a check of the host's container image (needs --stack-image-checks)")
+    config.addinivalue_line("markers", "image_scan_ca: searches the image's layers (needs --stack-image-scan-ca)")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -53,6 +66,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         given = waivers.parse_all(config.getoption("--stack-skip"))
     except ValueError as exc:
         raise pytest.UsageError(f"--stack-skip {exc}") from None
+    # The image checks belong to `bwstack image verify` (--stack-image-checks): any other run leaves them out
+    # rather than listing them as skipped, so a node's report is what it was.
+    wanted = {
+        "image": bool(config.getoption("--stack-image-checks")),
+        "image_scan_ca": bool(config.getoption("--stack-image-checks") and config.getoption("--stack-image-scan-ca")),
+    }
+    left_out = [item for item in items if any(item.get_closest_marker(m) and not on for m, on in wanted.items())]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if item not in left_out]
     for item in items:
         waiver = waivers.matching(given, item.name)
         if waiver is not None:

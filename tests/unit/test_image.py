@@ -36,7 +36,13 @@ import pytest
 from conftest import REAL_LOCK, REPO, bwstack, needs_py312
 
 from bwstack.errors import BwstackError, HashMismatchError, UsageError
-from bwstack.image import build as image
+from bwstack.image import bench, context, daemon, scan
+from bwstack.image import build as image_build
+from bwstack.image import labels as image_labels
+from bwstack.image import server as image_server
+from bwstack.image import tool as image_tool
+from bwstack.image import wheels as image_wheels
+from bwstack.lock import system
 from bwstack.lock.model import load_lock
 from fixtures import fakestack
 
@@ -61,8 +67,8 @@ def test_dockerfile_has_one_step_per_lock_layer_in_order():
     real = load_lock(REAL_LOCK)
     text = (DOCKER / "Dockerfile").read_text()
     assert (
-        image.dockerfile_layer_files(text)
-        == image.layer_file_names(real)
+        context.dockerfile_layer_files(text)
+        == context.layer_file_names(real)
         == [
             "01-cuda-torch.txt",
             "02-kernels.txt",
@@ -83,7 +89,7 @@ def test_dockerfile_keeps_versions_and_secrets_out():
     assert "HEALTHCHECK" in text and "/health" in text and "curl" not in text
     assert "USER 10001:10001" in text
     assert "CUDA_HOME=/usr/local/cuda" in text
-    assert "--mount=type=secret" not in text  # the classic builder (docker-py) has none: see image.py
+    assert "--mount=type=secret" not in text  # the classic builder (docker-py) has none: see bwstack/image/server.py
     # The build's token rides in http_proxy, which Docker keeps out of the cache key and the history only as
     # long as no ARG declares it.
     declared = {line.split()[1].split("=")[0].lower() for line in lines if line.startswith("ARG ")}
@@ -101,35 +107,36 @@ def test_every_step_run_checks_the_step_script_with_one_loader():
     assert [r[4] for r in runs] == ["toolkit", "layer", "layer", "layer", "patch"]
     assert {r[2] for r in runs} == {runs[0][2]}, "every step RUN must use the same loader"
     assert {r[3] for r in runs} == {"${BWSTACK_STEP_SHA256}"}
-    assert image.BUILD_HOST in runs[0][2] and "sha256" in runs[0][2]
+    assert image_server.BUILD_HOST in runs[0][2] and "sha256" in runs[0][2]
 
 
 def test_the_build_token_reaches_the_build_only_in_a_proxy_arg(tmp_path):
     """The public build args (cache key, history) hold no secret; the secret args are only Docker's predefined
     proxy args, which it leaves out of both."""
-    token = image.new_build_token()
+    token = image_server.new_build_token()
     lock = load_lock(CI_LOCK)
-    bundle = image.ToolBundle(tmp_path / "tool.tar", "sha256:" + "0" * 64, 0)
-    with image.BuildServer("127.0.0.1", 0, {}, {}, token) as server:
-        public = image._build_args(lock, lock.profile(None), "base:1", "f" * 64, bundle, [])
-        secret = image.build_secret_args(server)
+    bundle = image_tool.ToolBundle(tmp_path / "tool.tar", "sha256:" + "0" * 64, 0)
+    with image_server.BuildServer("127.0.0.1", 0, {}, {}, token) as server:
+        public = image_labels.build_args(lock, lock.profile(None), "base:1", "f" * 64, bundle, [])
+        secret = image_server.build_secret_args(server)
     assert not [k for k, v in public.items() if token in v or k.lower().endswith("_proxy")]
     assert set(secret) <= {"http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "ftp_proxy", "FTP_PROXY"}
-    assert token in secret["http_proxy"] and image.new_build_token() != token
+    assert token in secret["http_proxy"] and image_server.new_build_token() != token
 
 
 def test_stage_context_renders_the_lock_per_layer(tmp_path):
     lock = load_lock(CI_LOCK)
     profile = lock.profile("ci-small")
-    staged = image.stage_context(lock, profile, tmp_path / "ctx", DOCKER / "Dockerfile")
+    staged = context.stage_context(lock, profile, tmp_path / "ctx", DOCKER / "Dockerfile")
+    picked = system.pick(lock.system_packages, {"ID": "debian", "VERSION_ID": "12"})
+    context.write_system_packages(tmp_path / "ctx", "debian:12", picked)
     files = sorted(p.relative_to(tmp_path / "ctx").as_posix() for p in (tmp_path / "ctx").rglob("*") if p.is_file())
     assert files == [
         "Dockerfile",
         "inputs/layers/01-cuda-torch.txt",
         "inputs/layers/02-kernels.txt",
         "inputs/layers/03-app.txt",
-        "inputs/system-packages/debian-12.txt",
-        "inputs/system-packages/ubuntu-24.04.txt",
+        "inputs/system-packages.txt",
         "inputs/toolkit/cuda-toolkit.txt",
         "inputs/toolkit/toolkit.json",
     ]
@@ -146,16 +153,70 @@ def test_stage_context_renders_the_lock_per_layer(tmp_path):
     assert names["nvidia-ml-py"] == names["typing-extensions"] == "01-cuda-torch.txt"
     assert names["apache-tvm-ffi"] == "02-kernels.txt"
     assert names["requests"] == names["urllib3"] == "03-app.txt"
-    assert (tmp_path / "ctx/inputs/system-packages/debian-12.txt").read_text().split() == ["libnuma1", "g++"]
+    assert (tmp_path / "ctx/inputs/system-packages.txt").read_text().split() == ["libnuma1", "g++"]
     key = json.loads((tmp_path / "ctx/inputs/toolkit/toolkit.json").read_text())
     assert key["home"] == "/usr/local/cuda-13.0" and key["profile"] == "ci-small"
     assert "nvidia-cuda-nvcc @ " in (tmp_path / "ctx/inputs/toolkit/cuda-toolkit.txt").read_text()
 
 
+# (case, /etc/os-release, the lock key both paths must pick or None): the lock has debian-12 and ubuntu-24.04
+OS_RELEASES = [
+    ("debian-12", 'PRETTY_NAME="Debian GNU/Linux 12 (bookworm)"\nID=debian\nVERSION_ID="12"\n', "debian-12"),
+    ("ubuntu-24.04", 'NAME="Ubuntu"\nVERSION_ID="24.04"\nID=ubuntu\nID_LIKE=debian\n', "ubuntu-24.04"),
+    ("single-quotes", "ID='ubuntu'\nVERSION_ID='24.04'\n", "ubuntu-24.04"),
+    ("point-release-takes-major", "ID=debian\nVERSION_ID=12.7\n", "debian-12"),
+    ("upper-case-id", "ID=Debian\nVERSION_ID=12\n", "debian-12"),
+    ("other-major", "ID=debian\nVERSION_ID=13\n", None),
+    ("other-ubuntu", "ID=ubuntu\nVERSION_ID=22.04\n", None),
+    ("no-version-sid", "ID=debian\nPRETTY_NAME=sid\n", None),
+    ("other-os", "ID=fedora\nVERSION_ID=41\n", None),
+]
+
+
+class _BaseClient:
+    """A Docker client whose base image has this /etc/os-release (what daemon.probe_base reads)."""
+
+    def __init__(self, os_release: str) -> None:
+        self.containers = self
+        self.os_release = os_release
+
+    def run(self, image, entrypoint, command, **kwargs) -> bytes:
+        assert "cat /etc/os-release" in command[0] and kwargs.get("network_disabled")
+        return ("bwstack-base-cuda=no\n" + self.os_release).encode()
+
+
+@pytest.mark.parametrize(("text", "expected"), [c[1:] for c in OS_RELEASES], ids=[c[0] for c in OS_RELEASES])
+def test_the_image_build_and_the_cli_pick_the_same_os_packages(tmp_path, text, expected):
+    lock = load_lock(CI_LOCK)
+    (tmp_path / "os-release").write_text(text)
+    cli = bwstack("--lock", str(CI_LOCK), "system-packages", "--os-release", str(tmp_path / "os-release"), "--json")
+    assert cli.returncode == (0 if expected else 1), cli.stderr
+    assert "Traceback" not in cli.stderr
+    picked_by_cli = json.loads(cli.stdout)
+    # the image path: the base's os-release as the build reads it, the pick, the file the Dockerfile installs
+    facts = daemon.probe_base(_BaseClient(text), "base:1")
+    picked = system.pick(lock.system_packages, facts.os_release)
+    assert picked.os_id == picked_by_cli["os_id"] == expected
+    if expected is None:
+        with pytest.raises(UsageError, match="system_packages has no entry for"):
+            context.write_system_packages(tmp_path, "base:1", picked)
+        assert picked_by_cli["packages"] == []
+        return
+    written = context.write_system_packages(tmp_path, "base:1", picked).read_text().split()
+    assert written == picked_by_cli["packages"] == list(lock.system_packages[expected])
+
+
+def test_system_packages_refuses_what_is_not_an_os_release(tmp_path):
+    (tmp_path / "bad").write_text("PRETTY_NAME=nothing\n")
+    for path in (tmp_path / "bad", tmp_path, tmp_path / "missing"):
+        result = bwstack("system-packages", "--os-release", str(path))
+        assert result.returncode == 2 and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
 def test_an_app_only_bump_changes_only_the_app_layer_file(tmp_path):
     a_lock, b_lock = load_lock(CI_LOCK), load_lock(CI_BUMP_LOCK)
-    a = image.stage_context(a_lock, a_lock.profile(None), tmp_path / "a", DOCKER / "Dockerfile")
-    b = image.stage_context(b_lock, b_lock.profile(None), tmp_path / "b", DOCKER / "Dockerfile")
+    a = context.stage_context(a_lock, a_lock.profile(None), tmp_path / "a", DOCKER / "Dockerfile")
+    b = context.stage_context(b_lock, b_lock.profile(None), tmp_path / "b", DOCKER / "Dockerfile")
     assert a_lock.profile(None).lock_digest() != b_lock.profile(None).lock_digest()
     assert [n for n in a.layer_files if a.layer_files[n] != b.layer_files[n]] == ["03-app.txt"]
     assert (tmp_path / "a/inputs/toolkit/toolkit.json").read_bytes() == (
@@ -166,7 +227,7 @@ def test_an_app_only_bump_changes_only_the_app_layer_file(tmp_path):
 @pytest.mark.parametrize("profile", ["cu130", "cu128"])
 def test_the_real_profiles_stage(tmp_path, profile):
     lock = load_lock(REAL_LOCK)
-    staged = image.stage_context(lock, lock.profile(profile), tmp_path, DOCKER / "Dockerfile")
+    staged = context.stage_context(lock, lock.profile(profile), tmp_path, DOCKER / "Dockerfile")
     app = staged.layer_files["03-app.txt"]
     assert "\nsglang @ https://files.pythonhosted.org/" in app
     assert "torch @ " in staged.layer_files["01-cuda-torch.txt"]
@@ -182,28 +243,47 @@ def test_stage_refuses_a_dockerfile_whose_layers_differ_from_the_lock(tmp_path):
     (tmp_path / "Dockerfile").write_text(text)
     lock = load_lock(CI_LOCK)
     with pytest.raises(UsageError, match=r"image\.layers render to 01-cuda-torch\.txt, 02-kernels\.txt, 03-app\.txt"):
-        image.stage_context(lock, lock.profile(None), tmp_path / "ctx", tmp_path / "Dockerfile")
+        context.stage_context(lock, lock.profile(None), tmp_path / "ctx", tmp_path / "Dockerfile")
+
+
+def test_docker_files_ship_with_the_package(monkeypatch):
+    """Without a checkout (or BWSTACK_DOCKER_DIR) the Dockerfile and step script come from the installed
+    package `bwstack_docker`, and pyproject.toml ships both."""
+    tomllib = pytest.importorskip("tomllib")
+    from bwstack import paths
+
+    monkeypatch.delenv("BWSTACK_DOCKER_DIR", raising=False)
+    monkeypatch.setattr(paths, "in_checkout", lambda *parts: None)
+    found = context.docker_files()
+    assert found.dockerfile.is_file() and found.step_script.is_file()
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert config["package-dir"]["bwstack_docker"] == "docker" and "bwstack_docker" in config["packages"]
+    assert {found.dockerfile.name, found.step_script.name} <= set(config["package-data"]["bwstack_docker"])
+    monkeypatch.setenv("BWSTACK_DOCKER_DIR", "/nonexistent")
+    monkeypatch.setattr(paths, "shipped", lambda *a, **k: None)
+    with pytest.raises(UsageError, match="docker/Dockerfile is not installed"):
+        context.docker_files()
 
 
 def test_the_tag_carries_the_lock_digest():
     profile = load_lock(CI_LOCK).profile(None)
     digest = profile.lock_digest().split(":")[1]
-    assert image.image_tag(image.TAG_TEMPLATE, profile) == f"bwstack/sglang:ci-small-{digest[:12]}"
-    assert image.image_tag("reg.example/sglang:{digest}", profile) == f"reg.example/sglang:{digest[:12]}"
+    assert context.image_tag(context.TAG_TEMPLATE, profile) == f"bwstack/sglang:ci-small-{digest[:12]}"
+    assert context.image_tag("reg.example/sglang:{digest}", profile) == f"reg.example/sglang:{digest[:12]}"
     with pytest.raises(UsageError, match="must carry the lock digest"):
-        image.image_tag("sglang:latest", profile)
+        context.image_tag("sglang:latest", profile)
 
 
 def test_unhashed_and_missing_wheels_are_refused_before_any_build(tmp_path):
     lock = load_lock(REAL_LOCK)
-    staged = image.stage_context(lock, lock.profile("cu130"), tmp_path / "ctx", DOCKER / "Dockerfile")
+    staged = context.stage_context(lock, lock.profile("cu130"), tmp_path / "ctx", DOCKER / "Dockerfile")
     kwargs = {"offline": True, "store": tmp_path / "store", "log": lambda m: None}
     with pytest.raises(BwstackError, match="no sha256 for flashinfer-jit-cache, torchaudio"):
-        image.gather_wheels(staged.env_selection, [], allow_unhashed=[], **kwargs)
+        image_wheels.gather_wheels(staged.env_selection, [], allow_unhashed=[], **kwargs)
     with pytest.raises(UsageError, match="not in this profile's closure"):
-        image.gather_wheels(staged.env_selection, [], allow_unhashed=["nope"], **kwargs)
+        image_wheels.gather_wheels(staged.env_selection, [], allow_unhashed=["nope"], **kwargs)
     with pytest.raises(BwstackError, match=r"--offline: 170 wheel\(s\) are in no --wheelhouse"):
-        image.gather_wheels(
+        image_wheels.gather_wheels(
             staged.env_selection, [tmp_path], allow_unhashed=["torchaudio", "flashinfer-jit-cache"], **kwargs
         )
 
@@ -213,7 +293,7 @@ def test_unhashed_and_missing_wheels_are_refused_before_any_build(tmp_path):
 
 @pytest.fixture(scope="module")
 def tool(tmp_path_factory):
-    return image.build_tool_bundle(tmp_path_factory.mktemp("tool"), DOCKER / "bwstack-step.py")
+    return image_tool.build_tool_bundle(tmp_path_factory.mktemp("tool"), DOCKER / "bwstack-step.py")
 
 
 def test_the_tool_bundle_is_bwstack_its_pure_python_dependencies_and_uv(tool, tmp_path):
@@ -225,7 +305,7 @@ def test_the_tool_bundle_is_bwstack_its_pure_python_dependencies_and_uv(tool, tm
     assert not [n for n in names if n.endswith((".so", ".pyc"))]
     assert not [n for n in names if n.startswith(("docker/", "ansible/", "_pytest/", "elftools/"))]
     assert info["digest"] == tool.digest
-    again = image.build_tool_bundle(tmp_path, DOCKER / "bwstack-step.py")
+    again = image_tool.build_tool_bundle(tmp_path, DOCKER / "bwstack-step.py")
     assert again.digest == tool.digest  # stable: the layers' cache key
 
 
@@ -251,11 +331,11 @@ def _get(url: str) -> tuple[int, bytes]:
         return exc.code, b""
 
 
-def _via(server: image.BuildServer, route: str, *, proxy: str | None = None) -> tuple[int, bytes]:
+def _via(server: image_server.BuildServer, route: str, *, proxy: str | None = None) -> tuple[int, bytes]:
     """GET http://bwstack-build.invalid<route> the way the build's RUN steps do: through the proxy in http_proxy."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({"http": proxy or server.proxy_url}))
     try:
-        with opener.open(f"http://{image.BUILD_HOST}{route}", timeout=10) as response:
+        with opener.open(f"http://{image_server.BUILD_HOST}{route}", timeout=10) as response:
             return response.status, response.read()
     except urllib.error.HTTPError as exc:
         return exc.code, b""
@@ -266,7 +346,8 @@ def test_the_build_server_serves_only_named_files(tmp_path):
     wheel.write_bytes(b"x" * 100_000)
     (tmp_path / "secret").write_text("no")
     files = {f"/wheels/{wheel.name}": wheel}
-    with image.BuildServer("127.0.0.1", 0, files, {"/step.py": b"print(1)\n"}, image.new_build_token()) as server:
+    token = image_server.new_build_token()
+    with image_server.BuildServer("127.0.0.1", 0, files, {"/step.py": b"print(1)\n"}, token) as server:
         assert _via(server, "/step.py") == (200, b"print(1)\n")
         assert _via(server, f"/wheels/{wheel.name}") == (200, b"x" * 100_000)
         assert _via(server, "/wheels/secret")[0] == 404
@@ -275,7 +356,7 @@ def test_the_build_server_serves_only_named_files(tmp_path):
         assert server.bytes_sent == 100_000 + 9 and server.refused == 0
 
 
-def _raw(server: image.BuildServer, target: str, headers: dict[str, str]) -> int:
+def _raw(server: image_server.BuildServer, target: str, headers: dict[str, str]) -> int:
     connection = http.client.HTTPConnection(server.host, server.port, timeout=10)
     connection.request("GET", target, headers=headers)
     status = connection.getresponse().status
@@ -290,7 +371,7 @@ def _basic(user: str, password: str) -> str:
 
 
 TOKEN = "a-per-build-token-of-this-test"
-STEP = f"http://{image.BUILD_HOST}/step.py"
+STEP = f"http://{image_server.BUILD_HOST}/step.py"
 # (case, request target, headers): every request the server must refuse with 403 without sending a byte.
 WITHOUT_THE_TOKEN = [
     ("no-credentials", STEP, {}),
@@ -301,7 +382,7 @@ WITHOUT_THE_TOKEN = [
     ("token-as-bearer", STEP, {"Proxy-Authorization": f"Bearer {TOKEN}"}),
     ("plain-request", "/step.py", {}),
     ("another-host", "http://pypi.org/simple/", {"Proxy-Authorization": _basic("bwstack", TOKEN)}),
-    ("https-scheme", f"https://{image.BUILD_HOST}/step.py", {"Proxy-Authorization": _basic("bwstack", TOKEN)}),
+    ("https-scheme", f"https://{image_server.BUILD_HOST}/step.py", {"Proxy-Authorization": _basic("bwstack", TOKEN)}),
 ]
 
 
@@ -309,16 +390,19 @@ WITHOUT_THE_TOKEN = [
     ("target", "headers"), [c[1:] for c in WITHOUT_THE_TOKEN], ids=[c[0] for c in WITHOUT_THE_TOKEN]
 )
 def test_the_build_server_refuses_a_request_without_the_build_token(target, headers):
-    with image.BuildServer("127.0.0.1", 0, {}, {"/step.py": b"print(1)\n"}, TOKEN) as server:
+    with image_server.BuildServer("127.0.0.1", 0, {}, {"/step.py": b"print(1)\n"}, TOKEN) as server:
         assert _raw(server, target, headers) == 403
         assert _raw(server, STEP, {"Proxy-Authorization": _basic("bwstack", TOKEN)}) == 200  # the build itself
         assert (server.refused, server.requests, server.bytes_sent) == (1, 1, 9)
 
 
 def test_the_build_server_says_what_to_do_when_its_port_is_taken():
-    token = image.new_build_token()
-    with image.BuildServer("127.0.0.1", 0, {}, {}, token) as first, pytest.raises(BwstackError, match="--build-port"):
-        image.BuildServer("127.0.0.1", first.port, {}, {}, token).__enter__()
+    token = image_server.new_build_token()
+    with (
+        image_server.BuildServer("127.0.0.1", 0, {}, {}, token) as first,
+        pytest.raises(BwstackError, match="--build-port"),
+    ):
+        image_server.BuildServer("127.0.0.1", first.port, {}, {}, token).__enter__()
 
 
 MARKER = "bwstack-test-step-ran"
@@ -339,7 +423,7 @@ LOADER_CASES = [
 def test_the_dockerfiles_loader_runs_the_step_script_only_with_the_planned_sha256(tmp_path, served, expected, runs):
     """The loader of the Dockerfile's RUN lines, run here as the build runs it (through the build server)."""
     loader = _step_runs()[0][2]
-    with image.BuildServer("127.0.0.1", 0, {}, {"/step.py": served}, image.new_build_token()) as server:
+    with image_server.BuildServer("127.0.0.1", 0, {}, {"/step.py": served}, image_server.new_build_token()) as server:
         env = {**os.environ, "http_proxy": server.proxy_url, "no_proxy": "*"}  # the loader drops no_proxy
         result = subprocess.run([sys.executable, "-c", loader, expected, "layer", str(tmp_path)],
                                 env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
@@ -357,7 +441,8 @@ def test_the_dockerfiles_loader_runs_the_step_script_only_with_the_planned_sha25
 
 def test_the_dockerfiles_loader_gets_nothing_without_the_build_token(tmp_path):
     loader = _step_runs()[0][2]
-    with image.BuildServer("127.0.0.1", 0, {}, {"/step.py": FAKE_STEP.encode()}, image.new_build_token()) as server:
+    token = image_server.new_build_token()
+    with image_server.BuildServer("127.0.0.1", 0, {}, {"/step.py": FAKE_STEP.encode()}, token) as server:
         wrong = server.proxy_url.replace(":" + server.proxy_url.split(":")[2].split("@")[0] + "@", ":guess@")
         env = {**os.environ, "http_proxy": wrong}
         result = subprocess.run([sys.executable, "-c", loader, hashlib.sha256(FAKE_STEP.encode()).hexdigest(), "layer",
@@ -392,12 +477,12 @@ def test_check_wheelhouses_hashes_every_selected_wheel_it_finds(tmp_path):
     lock_path, house = fakestack.make_stack(tmp_path)
     profile = load_lock(lock_path).profile("fixture-new")
     selected = select(profile.closure.env, Target.of(profile))
-    found = image.check_wheelhouses(selected.values(), [tmp_path / "empty", house])
+    found = image_wheels.check_wheelhouses(selected.values(), [tmp_path / "empty", house])
     assert sorted(found) == sorted(w.file for _, w in selected.values())
     victim = selected["fixture-dep"][1].file
     (house / victim).write_bytes((house / victim).read_bytes() + b"\0")
     with pytest.raises(HashMismatchError, match=f"fixture-dep 2.0: {victim} from {house / victim} has sha256"):
-        image.check_wheelhouses(selected.values(), [house])
+        image_wheels.check_wheelhouses(selected.values(), [house])
 
 
 @pytest.fixture(scope="session")
@@ -419,16 +504,16 @@ def test_the_step_script_installs_a_layer_through_the_server_and_checks_hashes(t
     from bwstack.provision.envbuild import find_python
 
     lock = load_lock(CI_LOCK)
-    staged = image.stage_context(lock, lock.profile(None), tmp_path / "ctx", DOCKER / "Dockerfile")
+    staged = context.stage_context(lock, lock.profile(None), tmp_path / "ctx", DOCKER / "Dockerfile")
     layer = tmp_path / "ctx/inputs/layers/03-app.txt"
-    wheels = image.gather_wheels(staged.env_selection, [ci_wheelhouse], offline=True, store=tmp_path / "s",
+    wheels = image_wheels.gather_wheels(staged.env_selection, [ci_wheelhouse], offline=True, store=tmp_path / "s",
                                  allow_unhashed=[], log=lambda m: None)  # fmt: skip
     files = {f"/wheels/{n}": p for n, p in wheels.items()} | {"/tool.tar": tool.path}
     step = (DOCKER / "bwstack-step.py").read_bytes()
     python = find_python("3.12")
     loader = _step_runs()[0][2]
     command = [python, "-c", loader, hashlib.sha256(step).hexdigest(), "layer", str(layer)]
-    with image.BuildServer("127.0.0.1", 0, files, {"/step.py": step}, image.new_build_token()) as server:
+    with image_server.BuildServer("127.0.0.1", 0, files, {"/step.py": step}, image_server.new_build_token()) as server:
         env = {**os.environ, "BWSTACK_ENV": str(tmp_path / "env"), "BWSTACK_TOOL_DIGEST": tool.digest,
                "http_proxy": server.proxy_url}  # fmt: skip
         run = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -462,18 +547,18 @@ GjEYMBYGA1UEAwwPYndzdGFjayB0ZXN0IENBMB4XDTI2MDEwMTAwMDAwMFoXDTI2MDEw
 
 
 def test_history_problems_name_pem_material_and_copied_certificates():
-    assert image.history_problems([{"CreatedBy": "/bin/sh -c #(nop) COPY file:abc in /usr/share/x "}]) == []
-    assert image.history_problems([{"CreatedBy": "|2 BWSTACK_BUILD_SERVER=http://172.17.0.1:48611 /bin/sh"}]) == []
-    assert image.history_problems([{"CreatedBy": f"/bin/sh -c echo '{PEM}' > /x"}])
-    assert image.history_problems([{"CreatedBy": "/bin/sh -c #(nop) COPY corp-ca.crt /usr/local/share/ca/"}])
-    assert image.history_problems([{"CreatedBy": "/bin/sh -c #(nop)  ENV SSL_CERT_FILE=/etc/ca.pem"}])
-    assert image.history_problems([{"CreatedBy": "|1 http_proxy=http://bwstack:tok@172.17.0.1:1 /bin/sh -c x"}])
-    assert image.history_problems([{"CreatedBy": "|1 HTTPS_PROXY=http://u:p@proxy:3128 /bin/sh -c x"}])
-    assert image.history_problems([{"CreatedBy": "/bin/sh -c export http_proxy=${HTTP_PROXY:-}"}]) == []
+    assert scan.history_problems([{"CreatedBy": "/bin/sh -c #(nop) COPY file:abc in /usr/share/x "}]) == []
+    assert scan.history_problems([{"CreatedBy": "|2 BWSTACK_BUILD_SERVER=http://172.17.0.1:48611 /bin/sh"}]) == []
+    assert scan.history_problems([{"CreatedBy": f"/bin/sh -c echo '{PEM}' > /x"}])
+    assert scan.history_problems([{"CreatedBy": "/bin/sh -c #(nop) COPY corp-ca.crt /usr/local/share/ca/"}])
+    assert scan.history_problems([{"CreatedBy": "/bin/sh -c #(nop)  ENV SSL_CERT_FILE=/etc/ca.pem"}])
+    assert scan.history_problems([{"CreatedBy": "|1 http_proxy=http://bwstack:tok@172.17.0.1:1 /bin/sh -c x"}])
+    assert scan.history_problems([{"CreatedBy": "|1 HTTPS_PROXY=http://u:p@proxy:3128 /bin/sh -c x"}])
+    assert scan.history_problems([{"CreatedBy": "/bin/sh -c export http_proxy=${HTTP_PROXY:-}"}]) == []
 
 
 def test_pem_needles_take_a_body_line_of_each_certificate():
-    needles = image.pem_needles(PEM + PEM.replace("MIIBsz", "MIIBsy"))
+    needles = scan.pem_needles(PEM + PEM.replace("MIIBsz", "MIIBsy"))
     assert needles == [b"GjEYMBYGA1UEAwwPYndzdGFjayB0ZXN0IENBMB4XDTI2MDEwMTAwMDAwMFoXDTI2MDEw"] * 2
 
 
@@ -491,10 +576,42 @@ def test_the_cli_has_image_build_verify_and_bench():
         assert "usage: bwstack image " + action in result.stdout
 
 
+def _infra_collected(*options: str) -> set[str]:
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", str(REPO / "tests" / "infra"), "--collect-only", "-q", "--hosts=local://",
+         "-p", "no:cacheprovider", "-o", "addopts=", *options],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    return {line.split("::")[1].split("[")[0] for line in result.stdout.splitlines() if "::" in line}
+
+
+def test_the_image_checks_are_testinfra_checks_run_only_when_asked():
+    """tests/infra/test_image.py holds the image checks; a node's run leaves them out, image verify's
+    options (--stack-image-checks, --stack-image-scan-ca) bring them in, and --skip can name them."""
+    from bwstack.checks import verify
+
+    image_checks = {
+        "test_image_runs_as_a_non_root_user",
+        "test_image_labels_carry_the_lock_digest",
+        "test_image_history_shows_no_ca_or_secret",
+        "test_image_entrypoint_is_sglang_launch_server",
+        "test_image_has_a_healthcheck",
+    }
+    scan_check = "test_image_layers_hold_no_copy_of_the_ca"
+    node = _infra_collected()
+    assert node and not [name for name in node if name.startswith("test_image_")]
+    assert _infra_collected("--stack-image-checks") == node | image_checks
+    assert _infra_collected("--stack-image-checks", "--stack-image-scan-ca=/x.pem") == node | image_checks | {
+        scan_check
+    }
+    assert {name.removeprefix("test_") for name in image_checks | {scan_check}} <= set(verify.known_checks())
+
+
 # ------------------------------------------------------------------------------------------------ docker
 
 
-_DOCKER_OK, _DOCKER_WHY = image.daemon_available()
+_DOCKER_OK, _DOCKER_WHY = daemon.daemon_available()
 needs_docker = pytest.mark.skipif(not _DOCKER_OK, reason=_DOCKER_WHY)
 
 
@@ -540,15 +657,15 @@ def ci_image(ci_base, ci_wheelhouse, ca_bundle) -> dict:
     can search the image for it, and without cache, so every RUN really ran with it; the app-only bump below
     is built through the CLI."""
     bundle, _ = ca_bundle
-    token = image.new_build_token()
+    token = image_server.new_build_token()
     lock = load_lock(CI_LOCK)
-    opts = image.BuildOptions(wheelhouses=[str(ci_wheelhouse)], offline=True, base_image=ci_base,
+    opts = image_build.ImageBuildOptions(wheelhouses=[str(ci_wheelhouse)], offline=True, base_image=ci_base,
                               ca_bundle=str(bundle), no_cache=True)  # fmt: skip
     with pytest.MonkeyPatch.context() as patch:  # build() points the process's TLS at the bundle; undo it after
         patch.setenv("REQUESTS_CA_BUNDLE", os.environ.get("REQUESTS_CA_BUNDLE", ""))
         patch.setenv("SSL_CERT_FILE", os.environ.get("SSL_CERT_FILE", ""))
-        built = image.build(lock, lock.profile(None), opts, log=lambda m: None, token=token)
-    return {**built, "token": token}
+        built = image_build.build_image(lock, lock.profile(None), opts, log=lambda m: None, token=token)
+    return {**built.as_dict(), "token": token}
 
 
 def _docker(*args: str) -> subprocess.CompletedProcess:
@@ -563,6 +680,7 @@ def test_ci_image_is_built_from_the_lock_and_labelled_with_its_digest(ci_image):
     digest = profile.lock_digest()
     assert ci_image["tag"] == f"bwstack/sglang:ci-small-{digest.split(':')[1][:12]}"
     assert ci_image["base_has_cuda"] is False  # the toolkit came from the lock's wheels
+    assert ci_image["system_packages_os"] == "debian-12"  # bwstack.lock.system.pick, for the base's os-release
     inspect = json.loads(_docker("image", "inspect", ci_image["tag"]).stdout)[0]
     labels = inspect["Config"]["Labels"]
     assert labels["io.bwstack.lock-digest"] == digest
@@ -592,10 +710,10 @@ def test_ci_image_holds_no_ca_no_bwstack_and_no_wheel(ci_image, ca_bundle):
     _, test_ca = ca_bundle
     history = _docker("history", "--no-trunc", "--format", "{{.CreatedBy}}", ci_image["tag"]).stdout
     assert "BEGIN CERTIFICATE" not in history and "ca.pem\n" not in history
-    assert not image.history_problems([{"CreatedBy": line} for line in history.splitlines()])
-    needles = image.pem_needles(test_ca.read_text())
+    assert not scan.history_problems([{"CreatedBy": line} for line in history.splitlines()])
+    needles = scan.pem_needles(test_ca.read_text())
     client = docker.from_env(timeout=600)
-    assert image.scan_image(client, ci_image["tag"], needles) == []  # every layer, the base's included
+    assert scan.scan_image(client, ci_image["tag"], needles) == []  # every layer, the base's included
     # positive control: the same scan finds the CA once a layer holds it
     ctx = test_ca.parent / "leak"
     ctx.mkdir(exist_ok=True)
@@ -603,7 +721,7 @@ def test_ci_image_holds_no_ca_no_bwstack_and_no_wheel(ci_image, ca_bundle):
     (ctx / "Dockerfile").write_text(f"FROM {ci_image['tag']}\nCOPY leaked.pem /tmp/\n")
     leak, _ = client.images.build(path=str(ctx), rm=True)
     try:
-        assert [h for h in image.scan_image(client, leak.id, needles) if h.endswith("tmp/leaked.pem")]
+        assert [h for h in scan.scan_image(client, leak.id, needles) if h.endswith("tmp/leaked.pem")]
     finally:
         client.images.remove(leak.id, force=True)
     run = _docker("run", "--rm", "--entrypoint", "/bin/sh", ci_image["tag"], "-c",
@@ -636,7 +754,7 @@ def test_ci_image_holds_no_trace_of_the_build_token(ci_image):
     assert not _image_bytes_hold(client, ci_image["tag"], token)
     history = client.api.history(ci_image["tag"])
     assert not [h for h in history if token.decode() in json.dumps(h)]
-    assert not image.history_problems(history)
+    assert not scan.history_problems(history)
     for entry in history:  # the intermediate images of the chain: config and container config
         if entry["Id"] != "<missing>":
             assert token.decode() not in json.dumps(client.api.inspect_image(entry["Id"]))
@@ -657,20 +775,20 @@ def test_ci_image_holds_no_trace_of_the_build_token(ci_image):
 def test_the_build_server_refuses_a_container_on_the_bridge_without_the_token(ci_base):
     """The real server on the Docker bridge, asked from a container as another build or a serving container
     would ask it: without this build's token it answers 403, with it 200."""
-    client = image.docker_client(timeout=120)
-    token = image.new_build_token()
+    client = daemon.docker_client(timeout=120)
+    token = image_server.new_build_token()
     ask = (
         "import sys, urllib.request as u, urllib.error as e\n"
         "o = u.build_opener(u.ProxyHandler({'http': sys.argv[1]} if sys.argv[1] else {}))\n"
         "try:\n print(o.open(sys.argv[2], timeout=20).status)\n"
         "except e.HTTPError as x:\n print(x.code)\n"
     )
-    with image.BuildServer(image.bridge_gateway(client), 0, {}, {"/step.py": b"print(1)\n"}, token) as server:
-        wrong = server.proxy_url.replace(token, image.new_build_token())
+    with image_server.BuildServer(daemon.bridge_gateway(client), 0, {}, {"/step.py": b"print(1)\n"}, token) as server:
+        wrong = server.proxy_url.replace(token, image_server.new_build_token())
         cases = [  # (proxy, url): the answer
             ("", f"{server.url}/step.py"),
-            (wrong, f"http://{image.BUILD_HOST}/step.py"),
-            (server.proxy_url, f"http://{image.BUILD_HOST}/step.py"),
+            (wrong, f"http://{image_server.BUILD_HOST}/step.py"),
+            (server.proxy_url, f"http://{image_server.BUILD_HOST}/step.py"),
         ]
         answers = []
         for proxy, url in cases:
@@ -686,29 +804,32 @@ def test_the_build_server_refuses_a_container_on_the_bridge_without_the_token(ci
 def test_a_real_build_stops_at_the_dockerfiles_check_when_the_step_script_differs(ci_image, tmp_path):
     """The real Dockerfile, on ci_image's cache, planned with one step script while the server serves another:
     the first step RUN refuses what it got, and nothing of it runs."""
-    client = image.docker_client()
+    client = daemon.docker_client()
     lock = load_lock(CI_LOCK)
     profile = lock.profile(None)
-    staged = image.stage_context(lock, profile, tmp_path / "ctx", DOCKER / "Dockerfile")
+    staged = context.stage_context(lock, profile, tmp_path / "ctx", DOCKER / "Dockerfile")
+    debian = system.pick(lock.system_packages, {"ID": "debian", "VERSION_ID": "12"})  # the CI base's OS
+    context.write_system_packages(staged.path, ci_image["base_image"], debian)
     # A planned script ci_image was not built with, so the step RUNs miss the cache and really run.
     planned = (DOCKER / "bwstack-step.py").read_bytes() + b"\n# a revision no earlier build used\n"
     forged = b"raise SystemExit('the forged step ran')\n"
-    tool = image.build_tool_bundle(tmp_path, DOCKER / "bwstack-step.py")
+    tool = image_tool.build_tool_bundle(tmp_path, DOCKER / "bwstack-step.py")
     before = {c.id for c in client.containers.list(all=True)}
     lines: list[str] = []
-    with image.BuildServer(
-        image.bridge_gateway(client), 0, {}, {"/step.py": forged}, image.new_build_token()
+    with image_server.BuildServer(
+        daemon.bridge_gateway(client), 0, {}, {"/step.py": forged}, image_server.new_build_token()
     ) as server:
-        args = image._build_args(lock, profile, ci_image["base_image"], hashlib.sha256(planned).hexdigest(), tool, [])
+        planned_sha256 = hashlib.sha256(planned).hexdigest()
+        args = image_labels.build_args(lock, profile, ci_image["base_image"], planned_sha256, tool, [])
         with pytest.raises(BwstackError, match="returned a non-zero code: 1"):
-            image.run_build(client, staged.path, "bwstack-test/forged-step:never", {**args,
-                            **image.build_secret_args(server)}, no_cache=False, log=lines.append)  # fmt: skip
+            image_build.run_build(client, staged.path, "bwstack-test/forged-step:never", {**args,
+                            **image_server.build_secret_args(server)}, no_cache=False, log=lines.append)  # fmt: skip
     expected = f"bwstack: refused the step script: its sha256 is {hashlib.sha256(forged).hexdigest()}, the build "
     assert [line for line in lines if expected in line], lines[-5:]  # stderr lines come colored
     assert not [line for line in lines if "forged step ran" in line]
     assert server.requests == 1 and server.refused == 0  # the step script only: no tool, no wheel was served
     left = [c for c in client.containers.list(all=True) if c.id not in before]
-    assert not [c for c in left if image.BUILD_HOST in json.dumps(c.attrs["Config"].get("Cmd"))], "forcerm"
+    assert not [c for c in left if image_server.BUILD_HOST in json.dumps(c.attrs["Config"].get("Cmd"))], "forcerm"
     assert not client.images.list(name="bwstack-test/forged-step")
 
 
@@ -764,13 +885,13 @@ def test_an_app_only_bump_rebuilds_only_the_app_layer(ci_image, ci_wheelhouse, c
 @pytest.mark.docker
 @pytest.mark.network
 def test_bench_rebuild_reports_clean_and_bumped_times(ci_image, ci_wheelhouse, ci_base, capsys):
-    opts = image.BuildOptions(wheelhouses=[str(ci_wheelhouse)], offline=True, base_image=ci_base)
-    result = image.bench_rebuild(str(CI_LOCK), str(CI_BUMP_LOCK), opts=opts, log=lambda m: None)
+    opts = image_build.ImageBuildOptions(wheelhouses=[str(ci_wheelhouse)], offline=True, base_image=ci_base)
+    result = bench.bench_rebuild(str(CI_LOCK), str(CI_BUMP_LOCK), opts=opts, log=lambda m: None)
     printed = capsys.readouterr().out
     assert "clean build" in printed and "ratio" in printed
-    assert result["changed_layers"] == ["03-app.txt"]
-    assert result["ratio"] < 0.6, result
-    assert len(result["rebuilt_run_steps"]) == 2, result
+    assert result.changed_layers == ("03-app.txt",)
+    assert result.ratio < 0.6, result
+    assert len(result.rebuilt_run_steps) == 2, result
 
 
 @needs_docker
@@ -795,10 +916,10 @@ def test_full_cu128_image_builds_offline_and_verifies(ci_base):
 
 @pytest.mark.network
 def test_the_benchmark_can_make_an_sglang_only_bump_of_the_real_lock(tmp_path):
-    path = image.sglang_only_bump(str(REAL_LOCK), "cu128", "0.5.10", tmp_path / "b.lock.yaml")
+    path = bench.sglang_only_bump(str(REAL_LOCK), "cu128", "0.5.10", tmp_path / "b.lock.yaml")
     a, b = load_lock(REAL_LOCK), load_lock(path)
     assert b.profile("cu128").closure.env["sglang"].version == "0.5.10"
     assert b.profile("cu128").closure.env["sglang"].wheels[0].sha256
-    staged_a = image.stage_context(a, a.profile("cu128"), tmp_path / "a", DOCKER / "Dockerfile").layer_files
-    staged_b = image.stage_context(b, b.profile("cu128"), tmp_path / "b", DOCKER / "Dockerfile").layer_files
+    staged_a = context.stage_context(a, a.profile("cu128"), tmp_path / "a", DOCKER / "Dockerfile").layer_files
+    staged_b = context.stage_context(b, b.profile("cu128"), tmp_path / "b", DOCKER / "Dockerfile").layer_files
     assert [n for n in staged_a if staged_a[n] != staged_b[n]] == ["03-app.txt"]

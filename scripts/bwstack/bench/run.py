@@ -330,23 +330,24 @@ class Bench:
 
     def p6(self) -> list[Figure]:
         """Clean image build, then a rebuild after an sglang-only bump (one run each: minutes per build)."""
-        from bwstack.image import build as image
+        from bwstack.image import bench
+        from bwstack.image.build import ImageBuildOptions
 
         try:
-            base = image.ensure_bench_base()
+            base = bench.ensure_bench_base()
             with tempfile.TemporaryDirectory(prefix="bwstack-bench-") as tmp:
-                bumped = image.sglang_only_bump(str(self.lock_path), "bench", "0.5.10", Path(tmp, "b.lock.yaml"))
-                opts = image.BuildOptions(wheelhouses=[str(self.work / "wheelhouse")], base_image=base)
-                result = image.bench_rebuild(str(self.lock_path), str(bumped), "bench", opts=opts, log=lambda m: None,
+                bumped = bench.sglang_only_bump(str(self.lock_path), "bench", "0.5.10", Path(tmp, "b.lock.yaml"))
+                opts = ImageBuildOptions(wheelhouses=(str(self.work / "wheelhouse"),), base_image=base)
+                result = bench.bench_rebuild(str(self.lock_path), str(bumped), "bench", opts=opts, log=lambda m: None,
                                              out=lambda m: None)  # fmt: skip
         except Exception as exc:  # no daemon or base image: the table says so
             return [Figure("P6", "image rebuild after an sglang bump", [], note=f"not run: {exc}")]
         note = (
-            f"base {base}; changed layers {result['changed_layers']}; {len(result['rebuilt_run_steps'])} RUN steps "
-            f"rebuilt, {result['cached_steps']} of {result['steps']} steps from cache; one run each"
+            f"base {base}; changed layers {list(result.changed_layers)}; {len(result.rebuilt_run_steps)} RUN steps "
+            f"rebuilt, {result.cached_steps} of {result.steps} steps from cache; one run each"
         )
-        return [Figure("P6", "image rebuild after an sglang-only bump", [result["rebuild_seconds"]],
-                       anchor="clean build", anchor_runs=[result["clean_build_seconds"]], note=note)]  # fmt: skip
+        return [Figure("P6", "image rebuild after an sglang-only bump", [result.rebuild_seconds],
+                       anchor="clean build", anchor_runs=[result.clean_build_seconds], note=note)]  # fmt: skip
 
 
 def _inodes(path: Path) -> set[tuple[int, int]]:

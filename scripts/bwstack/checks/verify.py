@@ -414,10 +414,11 @@ def run_checks(
     facts_dir: str | None = None,
     skip: list[str] | None = None,
     extra_args: list[str] | None = None,
+    label: str | None = None,
 ) -> list[CheckResult]:
-    """One testinfra host spec (what `bwstack image verify` and the benchmarks use); a host that cannot be
-    checked is one BwstackError line."""
-    label = target.removesuffix("://") if target.startswith("local://") else target
+    """One testinfra host spec (what `bwstack image verify` and the benchmarks use), reported as `label`
+    (default: the spec); a host that cannot be checked is one BwstackError line."""
+    label = label or (target.removesuffix("://") if target.startswith("local://") else target)
     with tempfile.TemporaryDirectory(prefix="bwstack-verify-") as tmp, _tools_on_path(Path(tmp)):
         report = _run_host(
             _Host(label, target), env, lock_path=lock_path, profile=profile, capability=capability, runtime=runtime,

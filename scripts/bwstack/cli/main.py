@@ -773,12 +773,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench)
 
     from bwstack.accept import command as accept
+    from bwstack.cli import system_packages
     from bwstack.fleet import playbooks
-    from bwstack.image import build as image
+    from bwstack.image import cli as image_cli
     from bwstack.serveplan import cli as serveplan_cli
 
     playbooks.register(sub)
-    image.register(sub)
+    image_cli.register(sub)
+    system_packages.register(sub)
     accept.register(sub)
     serveplan_cli.register(sub)
 

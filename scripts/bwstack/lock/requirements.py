@@ -24,6 +24,15 @@ from bwstack.lock.tags import Target, select
 LINE_RE = re.compile(r"^(?P<name>[A-Za-z0-9._-]+) @ (?P<url>\S+)(?P<hashes>(?: --hash=sha256:[0-9a-f]{64})*)\s*$")
 
 
+HEADER = ("# bwstack: profile ", "# rendered from stack.lock.yaml")  # the first lines render() writes
+
+
+def without_header(text: str) -> list[str]:
+    """A rendered file's lines without render()'s header (it names the lock digest, which changes with every
+    lock edit): its requirement lines and per-package notes."""
+    return [line for line in text.splitlines() if not line.startswith(HEADER)]
+
+
 def layer_of(name: str, layers: Iterable[ImageLayer]) -> str:
     layers = list(layers)
     for layer in layers:
@@ -42,8 +51,8 @@ def render(
     selection = select(packages, Target.of(profile))
     wanted = sorted(names) if names is not None else sorted(selection)
     lines = [
-        f"# bwstack: profile {profile.name}{(' ' + title) if title else ''}; lock digest {profile.lock_digest()}",
-        "# rendered from stack.lock.yaml by `bwstack render`; do not edit (re-render instead)",
+        f"{HEADER[0]}{profile.name}{(' ' + title) if title else ''}; lock digest {profile.lock_digest()}",
+        f"{HEADER[1]} by `bwstack render`; do not edit (re-render instead)",
     ]
     for name in wanted:
         pkg, wheel = selection[name]

@@ -1,0 +1,152 @@
+"""What goes into the image's build context: the Dockerfile and what bwstack renders from the lock under inputs/.
+
+One hash-pinned requirement file per image layer (`bwstack render --layers`, minus its lock-digest header so an
+unchanged layer stays byte-identical), the profile's cuda-toolkit requirements and the OS packages bwstack picked
+for the base image (bwstack.lock.system.pick; written once the base's /etc/os-release is known). A few KB,
+whatever the wheelhouse. A missing or stale closure (a pin edited without `bwstack lock`) is refused here, before
+anything else.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from bwstack import paths
+from bwstack.errors import UsageError
+from bwstack.lock.system import OsPackages
+
+TAG_TEMPLATE = "bwstack/sglang:{profile}-{digest}"
+LAYER_STEP_RE = re.compile(r"^COPY inputs/layers/(\S+) ", re.MULTILINE)
+SYSTEM_PACKAGES = "inputs/system-packages.txt"
+STEP_SCRIPT = "bwstack-step.py"
+
+
+@dataclass(frozen=True)
+class DockerFiles:
+    """docker/: the Dockerfile and the step script its RUNs fetch (shipped with the package as `bwstack_docker`)."""
+
+    directory: Path
+
+    @property
+    def dockerfile(self) -> Path:
+        return self.directory / "Dockerfile"
+
+    @property
+    def step_script(self) -> Path:
+        return self.directory / STEP_SCRIPT
+
+
+def docker_files() -> DockerFiles:
+    """$BWSTACK_DOCKER_DIR, the checkout's docker/, or the copy installed with bwstack."""
+    found = paths.shipped("docker", "bwstack_docker", "Dockerfile", env="BWSTACK_DOCKER_DIR")
+    if found is None:
+        raise UsageError(
+            "docker/Dockerfile is not installed with this bwstack: reinstall it, run it from its checkout, or set "
+            "BWSTACK_DOCKER_DIR to the repository's docker/"
+        )
+    return DockerFiles(found)
+
+
+def docker_dir() -> Path:
+    return docker_files().directory
+
+
+@dataclass(frozen=True)
+class StagedContext:
+    path: Path
+    layer_files: Mapping[str, str]  # file name -> text, in layer order
+    env_selection: Mapping  # name -> (LockedPackage, Wheel) the target installs
+    toolkit_selection: Mapping  # the same for the profile's CUDA toolkit wheels
+
+
+def dockerfile_layer_files(text: str) -> list[str]:
+    """The per-layer requirement files the Dockerfile installs, in its order."""
+    return LAYER_STEP_RE.findall(text)
+
+
+def layer_file_names(lock) -> list[str]:
+    return [f"{i:02d}-{layer.name}.txt" for i, layer in enumerate(lock.image_layers, 1)]
+
+
+def image_tag(template: str, profile) -> str:
+    digest = profile.lock_digest().split(":", 1)[1][:12]
+    tag = template.format(profile=profile.name, digest=digest)
+    if digest not in tag:
+        raise UsageError(f"--tag {template!r}: the tag must carry the lock digest (use {{digest}})")
+    return tag
+
+
+def _stable(text: str, header: str) -> str:
+    """A rendered file with `header` instead of `bwstack render`'s lock-digest header (which would bust every
+    layer's cache on any lock edit); its requirement lines and per-package notes stay as rendered."""
+    from bwstack.lock.requirements import without_header
+
+    return "\n".join([header, *without_header(text)]) + "\n"
+
+
+def stage_context(lock, profile, dest: Path, dockerfile: Path) -> StagedContext:
+    """Write the build context: Dockerfile + inputs/ rendered from the lock (the OS packages come later, from
+    write_system_packages, once the base image is known)."""
+    from bwstack.lock import requirements
+    from bwstack.lock.tags import Target, select
+
+    closure = profile.require_closure(lock.path)
+    text = dockerfile.read_text(encoding="utf-8")
+    want = layer_file_names(lock)
+    have = dockerfile_layer_files(text)
+    if have != want:
+        raise UsageError(
+            f"the lock's image.layers render to {', '.join(want)}, but {dockerfile} installs "
+            f"{', '.join(have) or 'no layer files'}: give the Dockerfile one COPY + RUN per lock layer, in order"
+        )
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "Dockerfile").write_text(text, encoding="utf-8")
+    inputs = dest / "inputs"
+    layers_dir = inputs / "layers"
+    layers_dir.mkdir(parents=True, exist_ok=True)
+    rendered = requirements.render_layers(profile, closure.env, lock.image_layers)
+    layer_files = {}
+    for i, (name, file_name) in enumerate(zip(rendered, want, strict=True), 1):
+        header = (
+            f"# bwstack image layer {i}/{len(rendered)} ({name}) of profile {profile.name}: hash-pinned, "
+            "rendered from the lock (the image's lock digest is in its labels)"
+        )
+        layer_files[file_name] = _stable(rendered[name], header)
+        (layers_dir / file_name).write_text(layer_files[file_name], encoding="utf-8")
+    toolkit = inputs / "toolkit"
+    toolkit.mkdir(parents=True, exist_ok=True)
+    cuda = profile.cuda
+    header = f"# bwstack: CUDA {cuda.version} toolkit wheels of profile {profile.name} (bwstack cuda install)"
+    (toolkit / "cuda-toolkit.txt").write_text(
+        _stable(requirements.render(profile, closure.cuda_toolkit), header), encoding="utf-8"
+    )
+    key = {
+        "profile": profile.name,
+        "home": cuda.home,
+        "cuda_version": cuda.version,
+        "pip": {"version": cuda.pip_version, "components": list(cuda.pip_components)},
+        "python": profile.python,
+        "platform": profile.platform,
+        "requirements": "cuda-toolkit.txt",
+    }
+    (toolkit / "toolkit.json").write_text(json.dumps(key, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    target = Target.of(profile)
+    return StagedContext(dest, layer_files, select(closure.env, target), select(closure.cuda_toolkit, target))
+
+
+def write_system_packages(context: Path, base: str, picked: OsPackages) -> Path:
+    """inputs/system-packages.txt: the packages bwstack picked for the base's OS, one a line (the Dockerfile
+    installs exactly these, with `xargs`: it decides nothing). No list for that OS is refused here, before the build."""
+    if picked.os_id is None:
+        tried = " or ".join(picked.os_ids) or "an OS without ID/VERSION_ID"
+        raise UsageError(
+            f"the lock's system_packages has no entry for {tried} (the OS of base image {base}): add one to the lock"
+        )
+    path = context / SYSTEM_PACKAGES
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(f"{name}\n" for name in picked.packages), encoding="utf-8")
+    return path
