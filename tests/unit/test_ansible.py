@@ -375,13 +375,14 @@ def test_missing_ansible_playbook_is_one_clear_error(monkeypatch: pytest.MonkeyP
 
 
 def test_provision_options_become_extra_vars(tmp_path: Path):
+    from bwstack.cli import options
     from bwstack.cli.main import build_parser
 
     args = build_parser().parse_args(
         ["--lock", "stack.lock.yaml", "provision", "--wheelhouse", "/w", "--index", "pypi=https://m/simple",
          "--ca-bundle", "/ca.pem", "--offline", "--skip", "nvcc=no nvcc", "--root", "/r"]
     )  # fmt: skip
-    got = playbooks._common_vars(args)
+    got = playbooks._common_vars(options.playbook_settings(args))
     assert got["bwstack_wheelhouse"] == ["/w"] and got["bwstack_index"] == ["pypi=https://m/simple"]
     assert (got["bwstack_ca_bundle"], got["bwstack_offline"], got["bwstack_root"]) == ("/ca.pem", True, "/r")
     assert got["bwstack_verify_skip"] == ["nvcc=no nvcc"]

@@ -602,7 +602,7 @@ def _build_args(lock, profile, base: str, step_sha256: str, tool: ToolBundle, al
     """The build's public args: in the cache key and `docker history`, so nothing secret and nothing that
     changes from one build of the same lock to the next (except the labels' creation time, used last)."""
     from bwstack import __version__
-    from bwstack.cli.show import stack_versions
+    from bwstack.lock.describe import stack_versions
 
     versions = stack_versions(profile)
     return {
