@@ -397,6 +397,18 @@ def test_controller_facts_give_each_profiles_preflight_requirements_and_toolkit(
     assert "debian-12" in facts["system_packages"]
 
 
+def test_controller_facts_name_the_profile_by_the_same_rule_as_every_command(real_lock_path: Path):
+    from bwstack.errors import UsageError
+    from bwstack.lock.model import load_lock
+
+    lock = load_lock(real_lock_path)
+    assert playbooks.controller_facts(lock, None, None, None)["profile"] == lock.profile(None).name == "cu130"
+    assert playbooks.controller_facts(lock, None, None, None, profile="")["profile"] == "cu130"
+    assert playbooks.controller_facts(lock, None, None, None, profile="cu128")["profile"] == "cu128"
+    with pytest.raises(UsageError, match="unknown profile 'cu999'"):
+        playbooks.controller_facts(lock, None, None, None, profile="cu999")
+
+
 # ------------------------------------------------------------------------------------------------ quick real runs
 
 

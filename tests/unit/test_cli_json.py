@@ -56,6 +56,7 @@ STACK_CASES = [
     ("build", ["build", "--profile", "fixture-old", "--wheelhouse", "{wheelhouse}"], {0}),
     ("build (second profile)", ["build", "--profile", "fixture-new", "--wheelhouse", "{wheelhouse}"], {0}),
     ("plan", ["plan", "--profile", "fixture-new"], {0}),
+    ("verify", ["verify", "--no-runtime"], {0, 1}),  # the fixture's fake torch fails checks: still one document
     ("generations", ["generations"], {0}),
     ("generations --check", ["generations", "--check", "--verify", "full"], {0}),
     ("rollback --check", ["rollback", "--check"], {0}),
@@ -82,6 +83,7 @@ STACK_CASES = [
     ("serve-plan --list-models", ["REAL", "serve-plan", "--list-models"], {0}),
     ("verify --list-checks", ["REAL", "verify", "--list-checks"], {0}),
     ("controller-facts", ["REAL", "controller-facts"], {0}),
+    ("controller-facts --profile", ["REAL", "controller-facts", "--profile", "cu128"], {0}),
 ]
 
 
@@ -112,7 +114,7 @@ def test_json_output_is_one_json_document_on_stdout(ctx: Ctx, label, argv, codes
     args = [a.format(base=ctx.base, wheelhouse=ctx.wheelhouse) for a in argv]
     if label in PREPARE:
         PREPARE[label](ctx)
-    if label != "controller-facts":  # always JSON, no --json option
+    if not label.startswith("controller-facts"):  # always JSON, no --json option
         args.append("--json")
     result = bwstack("--lock", lock, *args, env=ctx.env)
     assert result.returncode in codes, f"exit {result.returncode}: {result.stderr[-2000:]}"

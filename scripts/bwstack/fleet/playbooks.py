@@ -1,8 +1,11 @@
-"""`bwstack provision` (and `rollback --target`): drive the Ansible playbooks for users without inventory.
+"""The playbook runner behind `bwstack provision` and `rollback --target`, for users without inventory, and
+the controller facts behind `bwstack controller-facts`. The CLI declares the options
+(bwstack.cli.commands.provision, .rollback, .controller_facts) and hands this module typed settings
+(bwstack.fleet.settings); nothing here reads a command line.
 
-Also `bwstack controller-facts`, which the roles run on the controller: what they need from the lock (a
-profile's preflight requirements, its CUDA toolkit, the lock's system packages) plus, on request, the probe
-zipapp and a bwstack wheel to ship to nodes. The roles never parse the lock in Jinja; they read this JSON.
+Controller facts are what the roles need from the lock (a profile's preflight requirements, its CUDA toolkit,
+the lock's system packages, the profile a role means), plus, on request, the probe zipapp and a bwstack wheel
+to ship to nodes. The roles never parse the lock in Jinja; they read this JSON.
 
 Targets (bwstack.checks.hostspec): `local://` (this machine, connection=local), `ssh://[user@]host[:port]` (several,
 comma-separated: a temporary inventory is written), or `ansible://INVENTORY[?limit=PATTERN&group=GROUP]` (yours);
@@ -180,9 +183,14 @@ def build_wheel(directory: Path) -> dict:
     return result
 
 
-def controller_facts(lock, probe_dir: str | None, wheel_dir: str | None, wheel: str | None) -> dict:
+def controller_facts(
+    lock, probe_dir: str | None, wheel_dir: str | None, wheel: str | None, *, profile: str | None = None
+) -> dict:
+    """`profile` is what a role was given ('' or None: nothing); `facts["profile"]` is the profile that means,
+    by the lock's one rule (Lock.profile_name), so a role needs no rule of its own."""
     from bwstack.probe import preflight
 
+    chosen = lock.profile_name(profile or None)
     profiles = {}
     for name, profile in lock.profiles.items():
         cuda = profile.cuda
@@ -205,6 +213,7 @@ def controller_facts(lock, probe_dir: str | None, wheel_dir: str | None, wheel: 
         "rollback_profile": lock.rollback_profile,
         "system_packages": {os_id: list(pkgs) for os_id, pkgs in lock.system_packages.items()},
         "profiles": profiles,
+        "profile": chosen,
     }
     if probe_dir:
         facts["probe"] = str(write_probe(Path(probe_dir)))
