@@ -104,14 +104,14 @@ def _prefixed(entries: list[manifest.Entry], prefix: str) -> list[manifest.Entry
 
 
 def adopt(store: Store, lock: Lock, log=print) -> Generation:
-    """Turn the real directory at the ml-env path into the store's next generation, in place."""
+    """Turn the real directory at the ml-env path into the store's next generation, in place. The store is
+    open (bwstack.store.session.open_store: locked and prepared)."""
     layout = store.layout
     src = layout.ml_env
     if src.is_symlink() or not src.is_dir():
         raise UsageError(f"{src} is not a real env directory (already adopted, or nothing there)")
     if not (src / "pyvenv.cfg").is_file():
         raise UsageError(f"{src} has no pyvenv.cfg: bwstack adopts virtual environments only")
-    store.prepare()
     if os.stat(src).st_dev != os.stat(layout.generations).st_dev:
         raise BwstackError(
             f"{src} and the store {layout.root} are on different filesystems; adoption moves the env without "
