@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         extra = {"description": command.DESCRIPTION} if hasattr(command, "DESCRIPTION") else {}
         p = sub.add_parser(command.NAME, help=command.HELP, **extra)
         command.add_options(p)
-        p.set_defaults(func=command.run)
+        p.set_defaults(func=command.run, own_empty_checks=getattr(command, "OWN_EMPTY_CHECKS", ()))
     return parser
 
 

@@ -80,9 +80,14 @@ def port(text: str) -> int:
 
 
 def reject_empty(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Every string value given on the command line must say something."""
+    """Every string value given on the command line must say something. A command that refuses an empty
+    value itself, with a message that says what the value should be, names those options in
+    `own_empty_checks` (a command module's OWN_EMPTY_CHECKS)."""
     names = _option_names(parser, args)
+    own = set(getattr(args, "own_empty_checks", ()))
     for dest, value in vars(args).items():
+        if dest in own:
+            continue
         values = value if isinstance(value, list) else [value]
         for item in values:
             if isinstance(item, str) and not item.strip():

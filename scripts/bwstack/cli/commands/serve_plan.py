@@ -10,6 +10,8 @@ from bwstack.cli.console import Console
 
 NAME = "serve-plan"
 HELP = "what SGLang will really run for a model on the target GPU, with the kernels behind every path"
+# Refused by bwstack.serveplan's own checks, which say what is expected (a capability, a model or reference).
+OWN_EMPTY_CHECKS = ("capability", "model", "draft")
 DESCRIPTION = (
     "Exit status: 0 when every chosen path has kernels for the GPU, 1 when one does not (the "
     "suggested flags are printed) or no plan could be made, 2 for bad input."
