@@ -388,6 +388,25 @@ def test_provision_options_become_extra_vars(tmp_path: Path):
     assert got["bwstack_verify_skip"] == ["nvcc=no nvcc"]
 
 
+def test_the_fleet_takes_typed_settings_and_passes_only_what_was_given():
+    from bwstack.fleet.settings import PlaybookSettings, SourceSettings, StoreSettings
+
+    bare = playbooks._common_vars(PlaybookSettings(lock="stack.lock.yaml"))
+    assert set(bare) == {"bwstack_lock"}  # the rest stays with the inventory
+    got = playbooks._common_vars(
+        PlaybookSettings(
+            lock="stack.lock.yaml",
+            store=StoreSettings(ml_env="/srv/ml-env", cuda_link="none"),
+            sources=SourceSettings(allow_unhashed=("torchaudio",), offline=True),
+            waivers=("nvcc=no nvcc",),
+        )
+    )
+    assert (got["bwstack_ml_env"], got["bwstack_cuda_link"], got["bwstack_allow_unhashed"]) == (
+        "/srv/ml-env", "none", ["torchaudio"],
+    )  # fmt: skip
+    assert got["bwstack_offline"] is True and got["bwstack_verify_skip"] == ["nvcc=no nvcc"]
+
+
 def test_controller_facts_give_each_profiles_preflight_requirements_and_toolkit(real_lock_path: Path):
     from bwstack.lock.model import load_lock
 
