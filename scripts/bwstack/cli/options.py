@@ -117,6 +117,11 @@ STORE_ROOT_HELP = "bwstack's store (default: /opt/bwstack as root, else ~/.local
 CUDA_LINK_HELP = "the /usr/local/cuda-style link to keep on the active toolkit ('none' to leave it)"
 
 
+def _group(p: Container, title: str) -> Container:
+    """The shared groups get their own heading in --help (a group inside a group stays where it is)."""
+    return p.add_argument_group(title) if isinstance(p, argparse.ArgumentParser) else p
+
+
 def add_json(p: Container, help: str | None = None) -> None:
     p.add_argument("--json", action="store_true", help=help)
 
@@ -129,6 +134,8 @@ def add_profile(p: Container, help: str | None = "the lock's profile (default: i
 def add_store(p: Container, *, cuda_link: bool = True, hidden: bool = False, on_targets: bool = False) -> None:
     """--root and --ml-env (and --cuda-link): where the store and the env users run are. `hidden` for
     commands that accept them only to find the active env; `on_targets` for playbook runs."""
+    if not hidden:
+        p = _group(p, "store location")
     if on_targets:
         p.add_argument("--root", help="bwstack's store on the targets (default /opt/bwstack)")
         p.add_argument("--ml-env", help="the env path users run on the targets (default /opt/ml-env)")
@@ -172,6 +179,7 @@ def add_sources(
     """Where wheels come from. Here: directories and files that must exist on this machine (`checked`).
     `on_targets`: paths on the hosts a playbook provisions (not checked here). `index=False` for commands
     that reach no index mirror (the image build: its steps get wheels from the build's own server)."""
+    p = _group(p, "wheel sources")
     if on_targets:
         p.add_argument(
             "--wheelhouse", action="append", help="directory of wheels on the targets, used first (repeatable)"
@@ -207,6 +215,7 @@ def add_target(p: Container, *, default: str | None, help: str) -> None:
 
 
 def add_ssh(p: Container) -> None:
+    p = _group(p, "SSH (ssh:// and ansible:// targets)")
     p.add_argument("--ssh-key", metavar="FILE", help="private key for ssh:// and ansible:// hosts")
     p.add_argument(
         "--known-hosts",
