@@ -375,16 +375,36 @@ def test_missing_ansible_playbook_is_one_clear_error(monkeypatch: pytest.MonkeyP
 
 
 def test_provision_options_become_extra_vars(tmp_path: Path):
+    from bwstack.cli import options
     from bwstack.cli.main import build_parser
 
     args = build_parser().parse_args(
         ["--lock", "stack.lock.yaml", "provision", "--wheelhouse", "/w", "--index", "pypi=https://m/simple",
          "--ca-bundle", "/ca.pem", "--offline", "--skip", "nvcc=no nvcc", "--root", "/r"]
     )  # fmt: skip
-    got = playbooks._common_vars(args)
+    got = playbooks._common_vars(options.playbook_settings(args))
     assert got["bwstack_wheelhouse"] == ["/w"] and got["bwstack_index"] == ["pypi=https://m/simple"]
     assert (got["bwstack_ca_bundle"], got["bwstack_offline"], got["bwstack_root"]) == ("/ca.pem", True, "/r")
     assert got["bwstack_verify_skip"] == ["nvcc=no nvcc"]
+
+
+def test_the_fleet_takes_typed_settings_and_passes_only_what_was_given():
+    from bwstack.fleet.settings import PlaybookSettings, SourceSettings, StoreSettings
+
+    bare = playbooks._common_vars(PlaybookSettings(lock="stack.lock.yaml"))
+    assert set(bare) == {"bwstack_lock"}  # the rest stays with the inventory
+    got = playbooks._common_vars(
+        PlaybookSettings(
+            lock="stack.lock.yaml",
+            store=StoreSettings(ml_env="/srv/ml-env", cuda_link="none"),
+            sources=SourceSettings(allow_unhashed=("torchaudio",), offline=True),
+            waivers=("nvcc=no nvcc",),
+        )
+    )
+    assert (got["bwstack_ml_env"], got["bwstack_cuda_link"], got["bwstack_allow_unhashed"]) == (
+        "/srv/ml-env", "none", ["torchaudio"],
+    )  # fmt: skip
+    assert got["bwstack_offline"] is True and got["bwstack_verify_skip"] == ["nvcc=no nvcc"]
 
 
 def test_controller_facts_give_each_profiles_preflight_requirements_and_toolkit(real_lock_path: Path):
@@ -394,6 +414,18 @@ def test_controller_facts_give_each_profiles_preflight_requirements_and_toolkit(
     assert facts["profiles"]["cu130"]["cuda"]["apt_package"] == "cuda-toolkit-13-0"
     assert facts["profiles"]["cu128"]["requirements"]["min_driver"] == "525.60.13"
     assert "debian-12" in facts["system_packages"]
+
+
+def test_controller_facts_name_the_profile_by_the_same_rule_as_every_command(real_lock_path: Path):
+    from bwstack.errors import UsageError
+    from bwstack.lock.model import load_lock
+
+    lock = load_lock(real_lock_path)
+    assert playbooks.controller_facts(lock, None, None, None)["profile"] == lock.profile(None).name == "cu130"
+    assert playbooks.controller_facts(lock, None, None, None, profile="")["profile"] == "cu130"
+    assert playbooks.controller_facts(lock, None, None, None, profile="cu128")["profile"] == "cu128"
+    with pytest.raises(UsageError, match="unknown profile 'cu999'"):
+        playbooks.controller_facts(lock, None, None, None, profile="cu999")
 
 
 # ------------------------------------------------------------------------------------------------ quick real runs

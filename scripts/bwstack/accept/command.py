@@ -1,18 +1,22 @@
 """`bwstack accept`: is this node fit to serve? Static facts (driver, PCIe fabric, IOMMU, loader, kernel
 log) judged against the lock's hardware target, then the GPUs measured for real and the first all-reduce
 run under a hard timeout. Exit 0: accepted; 1: not accepted; 2: bad input. Nothing on the node changes.
+Its options are declared in bwstack.cli.commands.accept, which prints the report.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bwstack.errors import UsageError
+
+if TYPE_CHECKING:
+    from bwstack.accept.report import AcceptReport
 
 TIMEOUT_DEFAULT_S = 180.0
 TIMEOUT_MAX_S = 3600.0
@@ -66,8 +70,9 @@ def _machine(args: argparse.Namespace):
     return Machine()
 
 
-def cmd_accept(args: argparse.Namespace) -> int:
-    from bwstack.accept.report import AcceptReport, NodeVerdict
+def accept(args: argparse.Namespace, log: Callable[[str], None]) -> AcceptReport:
+    """Judge this node (or a recorded one) as the accept options say; `log` gets the progress lines."""
+    from bwstack.accept.report import AcceptReport
     from bwstack.lock.model import load_lock
     from bwstack.probe.hw.collect import collect
     from bwstack.probe.hw.judge import Finding, Verdict, Want, judge_static
@@ -106,14 +111,14 @@ def cmd_accept(args: argparse.Namespace) -> int:
         from bwstack.accept.runtime import run_allreduce, run_bench
         from bwstack.accept.runtime_judge import judge_runtime
 
-        print(f"bwstack accept: measuring the GPUs with {python} (timeout {timeout:g} s per stage)", file=sys.stderr)
+        log(f"bwstack accept: measuring the GPUs with {python} (timeout {timeout:g} s per stage)")
         bench = run_bench(python, timeout)
         world = len(bench.result.devices) if bench.result else 0
         if world:
-            print(f"bwstack accept: all-reduce over {world} GPU(s)", file=sys.stderr)
+            log(f"bwstack accept: all-reduce over {world} GPU(s)")
             allreduce = run_allreduce(python, world, timeout)
         runtime = judge_runtime(bench, allreduce, target.envelope, facts, static, want)
-    report = AcceptReport(
+    return AcceptReport(
         machine=machine.label if args.machine is not None else f"{os.uname().nodename} ({machine.label})",
         profile=profile.name,
         target=target.name,
@@ -125,39 +130,3 @@ def cmd_accept(args: argparse.Namespace) -> int:
         bench=bench,
         allreduce=allreduce,
     )
-    if args.json:
-        json.dump(report.as_json(), sys.stdout, indent=2)
-        sys.stdout.write("\n")
-        print(report.verdict_line(), file=sys.stderr)
-    else:
-        print(report.render())
-    return 0 if report.verdict is NodeVerdict.ACCEPTED else 1
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "accept",
-        help="node acceptance: driver, PCIe fabric and the first all-reduce against the lock's target "
-        "(exit 0 accepted, 1 not, 2 bad input)",
-    )
-    p.add_argument("--profile", help="the lock's profile (default: its default_profile); its target is the hardware")
-    p.add_argument(
-        "--hardware", metavar="TARGET", help="judge against this target of the lock instead of the profile's"
-    )
-    p.add_argument(
-        "--env", help="the env (directory or its python) whose torch measures the GPUs (default: the ml-env)"
-    )
-    p.add_argument("--no-runtime", action="store_true", help="static facts only: run nothing on the GPUs")
-    p.add_argument(
-        "--timeout",
-        default=str(TIMEOUT_DEFAULT_S),
-        help=f"hard limit in seconds for each runtime stage, all-reduce included (default {TIMEOUT_DEFAULT_S:g})",
-    )
-    p.add_argument(
-        "--machine",
-        metavar="DIR",
-        help="read the static facts from a recorded machine description instead of this machine (no runtime)",
-    )
-    p.add_argument("--record", metavar="DIR", help="also write this machine's facts as a recorded description into DIR")
-    p.add_argument("--json", action="store_true", help="the report as JSON on stdout (the verdict line on stderr)")
-    p.set_defaults(func=cmd_accept)

@@ -1,4 +1,10 @@
-"""Argument types and checks shared by every command: one rule for each kind of value.
+"""The options shared by commands, declared once (like pip's cmdoptions), and the argument types behind them.
+
+Option groups: the source options (--wheelhouse, --index, --offline, --ca-bundle, --allow-unhashed), the
+target and SSH options (--target, --ssh-key, --known-hosts), the --skip waivers, the store location (--root,
+--ml-env, --cuda-link), --profile and --json. A command adds the groups it takes; the typed values the
+layers below want (Sources, SshOptions, the fleet's PlaybookSettings) are built here from them, so no layer
+below the CLI reads an argparse namespace for these.
 
 Every bad value is one line and exit 2 (argparse's own errors included, see `Parser`), and an empty value is
 an error wherever it is given, never a silent default.
@@ -63,10 +69,25 @@ def existing_dir(value: str) -> str:
     return value
 
 
+def port(text: str) -> int:
+    try:
+        number = int(text)
+    except ValueError:
+        number = -1
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (0-65535; 0: any free port)")
+    return number
+
+
 def reject_empty(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Every string value given on the command line must say something."""
+    """Every string value given on the command line must say something. A command that refuses an empty
+    value itself, with a message that says what the value should be, names those options in
+    `own_empty_checks` (a command module's OWN_EMPTY_CHECKS)."""
     names = _option_names(parser, args)
+    own = set(getattr(args, "own_empty_checks", ()))
     for dest, value in vars(args).items():
+        if dest in own:
+            continue
         values = value if isinstance(value, list) else [value]
         for item in values:
             if isinstance(item, str) and not item.strip():
@@ -86,3 +107,199 @@ def _option_names(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
             elif action.dest not in names:
                 names[action.dest] = action.option_strings[-1] if action.option_strings else action.dest
     return names
+
+
+# ------------------------------------------------------------------------------------------------ option groups
+
+Container = argparse.ArgumentParser | argparse._ActionsContainer
+
+STORE_ROOT_HELP = "bwstack's store (default: /opt/bwstack as root, else ~/.local/share/bwstack)"
+CUDA_LINK_HELP = "the /usr/local/cuda-style link to keep on the active toolkit ('none' to leave it)"
+
+
+def _group(p: Container, title: str) -> Container:
+    """The shared groups get their own heading in --help (a group inside a group stays where it is)."""
+    return p.add_argument_group(title) if isinstance(p, argparse.ArgumentParser) else p
+
+
+def add_json(p: Container, help: str | None = None) -> None:
+    p.add_argument("--json", action="store_true", help=help)
+
+
+def add_profile(p: Container, help: str | None = "the lock's profile (default: its default_profile)") -> None:
+    """--profile: a name of the lock's profiles; none given means the lock's default (Lock.profile_name)."""
+    p.add_argument("--profile", help=help)
+
+
+def add_store(p: Container, *, cuda_link: bool = True, hidden: bool = False, on_targets: bool = False) -> None:
+    """--root and --ml-env (and --cuda-link): where the store and the env users run are. `hidden` for
+    commands that accept them only to find the active env; `on_targets` for playbook runs."""
+    if not hidden:
+        p = _group(p, "store location")
+    if on_targets:
+        p.add_argument("--root", help="bwstack's store on the targets (default /opt/bwstack)")
+        p.add_argument("--ml-env", help="the env path users run on the targets (default /opt/ml-env)")
+        if cuda_link:
+            p.add_argument("--cuda-link", help="the /usr/local/cuda-style link on the targets ('none' to leave it)")
+        return
+    p.add_argument("--root", help=argparse.SUPPRESS if hidden else STORE_ROOT_HELP)
+    p.add_argument(
+        "--ml-env",
+        help=argparse.SUPPRESS if hidden else "the env path users run (default: /opt/ml-env as root, else ~/ml-env)",
+    )
+    if cuda_link:
+        p.add_argument("--cuda-link", help=argparse.SUPPRESS if hidden else CUDA_LINK_HELP)
+
+
+def add_node(p: Container) -> None:
+    """The options of commands that work on this node's store: its location, --json, --take-over-links and
+    the manifest check's depth."""
+    add_store(p)
+    add_json(p)
+    p.add_argument(
+        "--take-over-links",
+        action="store_true",
+        help="let this store re-point an ml-env or CUDA link that another store or somebody else made",
+    )
+    p.add_argument(
+        "--verify", choices=["quick", "full"], default="quick",
+        help="manifest check before switching: quick (inode/size/mtime, re-hash what moved) or full (every byte)",
+    )  # fmt: skip
+
+
+def add_sources(
+    p: Container,
+    *,
+    on_targets: bool = False,
+    index: bool = True,
+    python: bool = False,
+    checked: bool = True,
+    ca_help: str | None = None,
+) -> None:
+    """Where wheels come from. Here: directories and files that must exist on this machine (`checked`).
+    `on_targets`: paths on the hosts a playbook provisions (not checked here). `index=False` for commands
+    that reach no index mirror (the image build: its steps get wheels from the build's own server)."""
+    p = _group(p, "wheel sources")
+    if on_targets:
+        p.add_argument(
+            "--wheelhouse", action="append", help="directory of wheels on the targets, used first (repeatable)"
+        )
+        p.add_argument("--index", action="append", metavar="NAME=URL", help="a mirror for one of the lock's indexes")
+        p.add_argument("--offline", action="store_true", help="use only --wheelhouse (and the node's wheel store)")
+        p.add_argument("--ca-bundle", help=ca_help or "CA bundle on the targets for TLS (always verified)")
+    else:
+        p.add_argument(
+            "--wheelhouse",
+            action="append",
+            type=existing_dir if checked else None,
+            help="directory of wheels to use first (repeatable)",
+        )
+        if index:
+            p.add_argument("--index", action="append", help="NAME=URL: a mirror for one of the lock's indexes")
+        p.add_argument("--offline", action="store_true", help="use only the store and --wheelhouse")
+        p.add_argument(
+            "--ca-bundle",
+            type=existing_file if checked else None,
+            help=ca_help or "CA bundle for TLS (always verified)",
+        )
+    p.add_argument(
+        "--allow-unhashed", action="append", metavar="NAME",
+        help="install NAME although the lock has no sha256 for it (recorded as unverified)",
+    )  # fmt: skip
+    if python:
+        p.add_argument("--python", help="interpreter for new envs (default: pythonX.Y of the profile)")
+
+
+def add_target(p: Container, *, default: str | None, help: str) -> None:
+    p.add_argument("--target", default=default, help=help)
+
+
+def add_ssh(p: Container) -> None:
+    p = _group(p, "SSH (ssh:// and ansible:// targets)")
+    p.add_argument("--ssh-key", metavar="FILE", help="private key for ssh:// and ansible:// hosts")
+    p.add_argument(
+        "--known-hosts",
+        metavar="FILE",
+        help="known-hosts file for ssh:// and ansible:// hosts (host keys are then checked strictly)",
+    )
+
+
+def add_waivers(
+    p: Container,
+    help: str = "waive the verify checks whose name contains CHECK, with the reason (the report shows it; repeatable)",
+) -> None:
+    p.add_argument("--skip", action="append", metavar="CHECK=REASON", help=help)
+
+
+def add_extra_vars(p: Container) -> None:
+    p.add_argument(
+        "-e", "--extra-vars", action="append", metavar="VARS", help="passed to ansible-playbook -e (repeatable)"
+    )
+
+
+# ------------------------------------------------------------------------------------------------ typed values
+
+
+def sources(args: argparse.Namespace):
+    """--wheelhouse, --index and --offline as the provision layer's Sources."""
+    from bwstack.provision.wheelhouse import Sources
+
+    return Sources.parse(args.wheelhouse or (), getattr(args, "index", None) or (), args.offline)
+
+
+def apply_ca_bundle(args: argparse.Namespace) -> None:
+    """--ca-bundle for every TLS connection of this process (requests and urllib read these)."""
+    import os
+
+    bundle = getattr(args, "ca_bundle", None)
+    if bundle:
+        if not Path(bundle).is_file():
+            raise UsageError(f"--ca-bundle {bundle}: no such file")
+        os.environ["REQUESTS_CA_BUNDLE"] = bundle
+        os.environ["SSL_CERT_FILE"] = bundle
+
+
+def waiver_texts(items: list[str] | None) -> list[str]:
+    """--skip CHECK=REASON items, each checked against the known checks, in their canonical spelling."""
+    from bwstack.checks import verify
+
+    return [w.text() for w in verify.parse_waivers(items or [])]
+
+
+def ssh_options(args: argparse.Namespace):
+    from bwstack.checks import hostspec
+
+    return hostspec.SshOptions.from_args(getattr(args, "ssh_key", None), getattr(args, "known_hosts", None))
+
+
+def layout(args: argparse.Namespace):
+    """The store location options as the store's Layout (defaults: root or user, and BWSTACK_* variables)."""
+    from bwstack.store.generations import Layout
+
+    return Layout.default(
+        args.root, args.ml_env, getattr(args, "cuda_link", None), getattr(args, "take_over_links", False)
+    )
+
+
+def playbook_settings(args: argparse.Namespace):
+    """The fleet layer's typed settings from the target, SSH, store, source and waiver options."""
+    from bwstack.fleet.settings import PlaybookSettings, SourceSettings, StoreSettings, TargetSettings
+
+    return PlaybookSettings(
+        lock=args.lock,
+        target=TargetSettings(args.target, ssh_options(args)),
+        store=StoreSettings(
+            getattr(args, "root", None), getattr(args, "ml_env", None), getattr(args, "cuda_link", None)
+        ),
+        sources=SourceSettings(
+            wheelhouse=tuple(getattr(args, "wheelhouse", None) or ()),
+            index=tuple(getattr(args, "index", None) or ()),
+            offline=bool(getattr(args, "offline", False)),
+            ca_bundle=getattr(args, "ca_bundle", None),
+            allow_unhashed=tuple(getattr(args, "allow_unhashed", None) or ()),
+        ),
+        waivers=tuple(waiver_texts(getattr(args, "skip", None))),
+        extra_vars=tuple(getattr(args, "extra_vars", None) or ()),
+        check=bool(getattr(args, "check", False)),
+        diff=bool(getattr(args, "diff", False)),
+    )

@@ -1,8 +1,11 @@
-"""`bwstack provision` (and `rollback --target`): drive the Ansible playbooks for users without inventory.
+"""The playbook runner behind `bwstack provision` and `rollback --target`, for users without inventory, and
+the controller facts behind `bwstack controller-facts`. The CLI declares the options
+(bwstack.cli.commands.provision, .rollback, .controller_facts) and hands this module typed settings
+(bwstack.fleet.settings); nothing here reads a command line.
 
-Also `bwstack controller-facts`, which the roles run on the controller: what they need from the lock (a
-profile's preflight requirements, its CUDA toolkit, the lock's system packages) plus, on request, the probe
-zipapp and a bwstack wheel to ship to nodes. The roles never parse the lock in Jinja; they read this JSON.
+Controller facts are what the roles need from the lock (a profile's preflight requirements, its CUDA toolkit,
+the lock's system packages, the profile a role means), plus, on request, the probe zipapp and a bwstack wheel
+to ship to nodes. The roles never parse the lock in Jinja; they read this JSON.
 
 Targets (bwstack.checks.hostspec): `local://` (this machine, connection=local), `ssh://[user@]host[:port]` (several,
 comma-separated: a temporary inventory is written), or `ansible://INVENTORY[?limit=PATTERN&group=GROUP]` (yours);
@@ -12,7 +15,6 @@ failure, with one line naming each failed host by its label and its last error (
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -29,6 +31,7 @@ from pathlib import Path
 from bwstack import paths
 from bwstack.checks import hostspec
 from bwstack.errors import BwstackError, UsageError
+from bwstack.fleet.settings import PlaybookSettings
 from bwstack.fsutil import sha256_file
 
 GROUP = "bwstack_nodes"
@@ -173,9 +176,14 @@ def build_wheel(directory: Path) -> dict:
     return result
 
 
-def controller_facts(lock, probe_dir: str | None, wheel_dir: str | None, wheel: str | None) -> dict:
+def controller_facts(
+    lock, probe_dir: str | None, wheel_dir: str | None, wheel: str | None, *, profile: str | None = None
+) -> dict:
+    """`profile` is what a role was given ('' or None: nothing); `facts["profile"]` is the profile that means,
+    by the lock's one rule (Lock.profile_name), so a role needs no rule of its own."""
     from bwstack.probe import preflight
 
+    chosen = lock.profile_name(profile or None)
     profiles = {}
     for name, profile in lock.profiles.items():
         cuda = profile.cuda
@@ -194,10 +202,11 @@ def controller_facts(lock, probe_dir: str | None, wheel_dir: str | None, wheel: 
         }
     facts: dict = {
         "lock": str(Path(lock.path).resolve()),
-        "default_profile": lock.default_profile,
+        "default_profile": lock.profile_name(None),
         "rollback_profile": lock.rollback_profile,
         "system_packages": {os_id: list(pkgs) for os_id, pkgs in lock.system_packages.items()},
         "profiles": profiles,
+        "profile": chosen,
     }
     if probe_dir:
         facts["probe"] = str(write_probe(Path(probe_dir)))
@@ -209,15 +218,6 @@ def controller_facts(lock, probe_dir: str | None, wheel_dir: str | None, wheel: 
     elif wheel_dir:
         facts["wheel"] = build_wheel(Path(wheel_dir))
     return facts
-
-
-def cmd_controller_facts(args: argparse.Namespace) -> int:
-    from bwstack.lock.model import load_lock
-
-    facts = controller_facts(load_lock(args.lock), args.probe_dir, args.wheel_dir, args.wheel)
-    json.dump(facts, sys.stdout, indent=2)
-    sys.stdout.write("\n")
-    return 0
 
 
 # ------------------------------------------------------------------------------------------------ targets
@@ -270,31 +270,29 @@ def parse_targets(spec: str, ssh: hostspec.SshOptions | None = None) -> Playbook
     return PlaybookTargets([], {}, inventory, labels)
 
 
-def _common_vars(args: argparse.Namespace) -> dict:
+def _common_vars(settings: PlaybookSettings) -> dict:
     """Extra vars for the options the user gave (what they did not give stays with the inventory)."""
-    out: dict = {"bwstack_lock": str(Path(args.lock).resolve())}
+    out: dict = {"bwstack_lock": str(Path(settings.lock).resolve())}
+    store, sources = settings.store, settings.sources
     pairs = {
-        "bwstack_root": getattr(args, "root", None),
-        "bwstack_ml_env": getattr(args, "ml_env", None),
-        "bwstack_cuda_link": getattr(args, "cuda_link", None),
-        "bwstack_ca_bundle": getattr(args, "ca_bundle", None),
+        "bwstack_root": store.root,
+        "bwstack_ml_env": store.ml_env,
+        "bwstack_cuda_link": store.cuda_link,
+        "bwstack_ca_bundle": sources.ca_bundle,
     }
     for key, value in pairs.items():
         if value is not None and not value.strip():
             raise UsageError(f"--{key.removeprefix('bwstack_').replace('_', '-')}: empty")
     out.update({k: v for k, v in pairs.items() if v})
     lists = {
-        "bwstack_wheelhouse": getattr(args, "wheelhouse", None),
-        "bwstack_index": getattr(args, "index", None),
-        "bwstack_allow_unhashed": getattr(args, "allow_unhashed", None),
+        "bwstack_wheelhouse": sources.wheelhouse,
+        "bwstack_index": sources.index,
+        "bwstack_allow_unhashed": sources.allow_unhashed,
     }
     out.update({k: list(v) for k, v in lists.items() if v})
-    skip = getattr(args, "skip", None)
-    if skip:
-        from bwstack.checks.verify import parse_waivers
-
-        out["bwstack_verify_skip"] = [w.text() for w in parse_waivers(skip)]
-    if getattr(args, "offline", False):
+    if settings.waivers:
+        out["bwstack_verify_skip"] = list(settings.waivers)
+    if sources.offline:
         out["bwstack_offline"] = True
     return out
 
@@ -350,12 +348,11 @@ def _raise_terminated(signum, _frame) -> None:
     raise _Terminated(signum)
 
 
-def run_playbook(playbook: str, args: argparse.Namespace, extra_vars: dict) -> int:
+def run_playbook(playbook: str, settings: PlaybookSettings, extra_vars: dict) -> int:
     directory = ansible_dir()
     binary = ansible_playbook()
-    ssh = hostspec.SshOptions.from_args(getattr(args, "ssh_key", None), getattr(args, "known_hosts", None))
-    targets = parse_targets(args.target, ssh)
-    variables = {**_common_vars(args), **targets.extra, **extra_vars}
+    targets = parse_targets(settings.target.spec, settings.target.ssh)
+    variables = {**_common_vars(settings), **targets.extra, **extra_vars}
     outcome = _Outcome()
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
@@ -368,11 +365,11 @@ def run_playbook(playbook: str, args: argparse.Namespace, extra_vars: dict) -> i
             vars_file = Path(tmp) / "extra-vars.json"
             vars_file.write_text(json.dumps(variables, indent=2))
             cmd += ["-e", f"@{vars_file}"]
-            for item in getattr(args, "extra_vars", None) or []:
+            for item in settings.extra_vars:
                 cmd += ["-e", item]
-            if getattr(args, "check", False):
+            if settings.check:
                 cmd.append("--check")
-            if getattr(args, "diff", False):
+            if settings.diff:
                 cmd.append("--diff")
             print(f"bwstack: running {redact(shlex.join(cmd))}", file=sys.stderr, flush=True)
             code = _stream(cmd, _ansible_env(directory, Path(tmp)), directory, outcome)
@@ -412,98 +409,36 @@ def _stream(cmd: list[str], env: dict, cwd: Path, outcome: _Outcome) -> int:
         raise
 
 
-def cmd_provision(args: argparse.Namespace) -> int:
+def run_provision(
+    settings: PlaybookSettings,
+    *,
+    profile: str | None = None,
+    cuda_method: str | None = None,
+    allow_no_gpu: bool = False,
+    min_free_gb: float | None = None,
+) -> int:
+    """provision.yml on the targets. What is not given is left to the inventory (and the roles' defaults:
+    no profile means the lock's default_profile, resolved by the roles through controller-facts)."""
     extra: dict = {}
-    if args.profile:
-        extra["bwstack_profile"] = args.profile
-    if args.cuda_method:
-        extra["bwstack_cuda_method"] = args.cuda_method
-    if args.allow_no_gpu:
+    if profile:
+        extra["bwstack_profile"] = profile
+    if cuda_method:
+        extra["bwstack_cuda_method"] = cuda_method
+    if allow_no_gpu:
         extra["bwstack_preflight_allow_no_gpu"] = True
-    if args.min_free_gb is not None:
-        extra["bwstack_preflight_min_free_gb"] = args.min_free_gb
-    return run_playbook("provision.yml", args, extra)
+    if min_free_gb is not None:
+        extra["bwstack_preflight_min_free_gb"] = min_free_gb
+    return run_playbook("provision.yml", settings, extra)
 
 
-def run_rollback(args: argparse.Namespace) -> int:
+def run_rollback(
+    settings: PlaybookSettings, *, to: str | None = None, profile: str | None = None, rebuild: bool = False
+) -> int:
     extra: dict = {}
-    if args.to:
-        extra["bwstack_mlenv_rollback_to"] = args.to
-    if args.profile:
-        extra["bwstack_mlenv_rollback_profile"] = args.profile
-    if args.rebuild:
+    if to:
+        extra["bwstack_mlenv_rollback_to"] = to
+    if profile:
+        extra["bwstack_mlenv_rollback_profile"] = profile
+    if rebuild:
         extra["bwstack_mlenv_rollback_rebuild"] = True
-    return run_playbook("rollback.yml", args, extra)
-
-
-# ------------------------------------------------------------------------------------------------ parser
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    """Add `provision` and `controller-facts`; give `rollback` the options its --target mode needs."""
-    from bwstack.cli.main import _add_ssh_options, _add_waiver_option
-
-    p = sub.add_parser(
-        "provision",
-        help="run the provision playbook (preflight, CUDA, env, verify) on local://, ssh:// or ansible:// targets",
-    )
-    p.add_argument(
-        "--target",
-        default="local://",
-        help="local:// (default), ssh://[user@]host[:port][,ssh://...], or ansible://INVENTORY[?limit=...&group=...]",
-    )
-    p.add_argument("--profile", help="the lock's profile (default: its default_profile)")
-    p.add_argument("--check", action="store_true", help="report what would change; change nothing")
-    p.add_argument("--diff", action="store_true", help="show the planned changes as diffs")
-    p.add_argument(
-        "--cuda-method",
-        choices=["pip", "apt", "none"],
-        help="how the profile's CUDA toolkit is installed (default pip; none: managed elsewhere)",
-    )
-    p.add_argument(
-        "--allow-no-gpu",
-        action="store_true",
-        help="accept CPU-only targets (containers, CI); said loudly in the output",
-    )
-    p.add_argument(
-        "--min-free-gb", type=float, help="free disk the preflight requires at the store for a build (default 25)"
-    )
-    _add_store_and_sources(p)
-    _add_waiver_option(p)
-    _add_playbook_options(p)
-    _add_ssh_options(p)
-    p.set_defaults(func=cmd_provision)
-
-    rollback = sub.choices.get("rollback")
-    if rollback is not None:
-        _add_waiver_option(rollback)
-        _add_playbook_options(rollback)
-        _add_ssh_options(rollback)
-
-    p = sub.add_parser("controller-facts", help="(for the Ansible roles) what the lock says, as JSON")
-    p.add_argument("--probe-dir", help="also write the probe zipapp into this directory")
-    p.add_argument("--wheel-dir", help="also build bwstack's wheel (pip wheel --no-deps) into this directory")
-    p.add_argument("--wheel", help="use this bwstack wheel instead of building one")
-    p.set_defaults(func=cmd_controller_facts)
-
-
-def _add_playbook_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "-e", "--extra-vars", action="append", metavar="VARS", help="passed to ansible-playbook -e (repeatable)"
-    )
-
-
-def _add_store_and_sources(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--root", help="bwstack's store on the targets (default /opt/bwstack)")
-    p.add_argument("--ml-env", help="the env path users run on the targets (default /opt/ml-env)")
-    p.add_argument("--cuda-link", help="the /usr/local/cuda-style link on the targets ('none' to leave it)")
-    p.add_argument("--wheelhouse", action="append", help="directory of wheels on the targets, used first (repeatable)")
-    p.add_argument("--index", action="append", metavar="NAME=URL", help="a mirror for one of the lock's indexes")
-    p.add_argument("--offline", action="store_true", help="use only --wheelhouse (and the node's wheel store)")
-    p.add_argument("--ca-bundle", help="CA bundle on the targets for TLS (always verified)")
-    p.add_argument(
-        "--allow-unhashed",
-        action="append",
-        metavar="NAME",
-        help="install NAME although the lock has no sha256 for it (recorded as unverified)",
-    )
+    return run_playbook("rollback.yml", settings, extra)

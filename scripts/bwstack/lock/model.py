@@ -271,12 +271,18 @@ class Lock:
     profiles: Mapping[str, Profile]
     spec_text: str
 
-    def profile(self, name: str | None) -> Profile:
+    def profile_name(self, name: str | None) -> str:
+        """The one rule for which profile a command means: the name given, else the lock's default_profile.
+        An unknown name is refused, naming the known ones. The CLI, the fleet's controller facts and the
+        Ansible module all resolve through here."""
         name = name or self.default_profile
         if name not in self.profiles:
             known = ", ".join(sorted(self.profiles))
             raise UsageError(f"unknown profile {name!r} in {self.path} (known: {known})")
-        return self.profiles[name]
+        return name
+
+    def profile(self, name: str | None) -> Profile:
+        return self.profiles[self.profile_name(name)]
 
 
 def spec_digest(spec: Mapping[str, Any]) -> str:

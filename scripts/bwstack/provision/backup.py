@@ -11,7 +11,6 @@ as good can still be switched to. Off-node archives live in bwstack.store.archiv
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -21,7 +20,6 @@ import time
 from pathlib import Path
 
 from bwstack.errors import BwstackError, UsageError
-from bwstack.fsutil import atomic_symlink
 from bwstack.lock.model import Lock
 from bwstack.probe import envinspect
 from bwstack.store import manifest
@@ -32,7 +30,6 @@ from bwstack.store.generations import (
     Generation,
     Store,
     checkpoint,
-    exchange,
     generation_name,
     now_iso,
     remove_tree,
@@ -40,6 +37,7 @@ from bwstack.store.generations import (
     take_ownership,
     write_hook,
 )
+from bwstack.store.session import swap_in
 
 # ------------------------------------------------------------------------------------------------ adopt
 
@@ -106,14 +104,14 @@ def _prefixed(entries: list[manifest.Entry], prefix: str) -> list[manifest.Entry
 
 
 def adopt(store: Store, lock: Lock, log=print) -> Generation:
-    """Turn the real directory at the ml-env path into the store's next generation, in place."""
+    """Turn the real directory at the ml-env path into the store's next generation, in place. The store is
+    open (bwstack.store.session.open_store: locked and prepared)."""
     layout = store.layout
     src = layout.ml_env
     if src.is_symlink() or not src.is_dir():
         raise UsageError(f"{src} is not a real env directory (already adopted, or nothing there)")
     if not (src / "pyvenv.cfg").is_file():
         raise UsageError(f"{src} has no pyvenv.cfg: bwstack adopts virtual environments only")
-    store.prepare()
     if os.stat(src).st_dev != os.stat(layout.generations).st_dev:
         raise BwstackError(
             f"{src} and the store {layout.root} are on different filesystems; adoption moves the env without "
@@ -163,41 +161,11 @@ def adopt(store: Store, lock: Lock, log=print) -> Generation:
     checkpoint("adopt-before-current")
     store.flip(gen.name, None, f"adopt {src}")
     checkpoint("adopt-before-exchange")
-    _swap_in(src, gen.env, log)
+    swap_in(src, gen.env, log)
     store.ensure_links()
     store.index_files(gen)
     log(f"adopted {src} as generation {name} ({gen.record['size_bytes'] >> 20} MiB, nothing copied)")
     return gen
-
-
-def _swap_in(real_dir: Path, placeholder: Path, log) -> None:
-    try:
-        exchange(real_dir, placeholder)
-    except OSError as exc:
-        if exc.errno not in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-            raise
-        # No RENAME_EXCHANGE on this filesystem: two renames, with a moment where the path is missing.
-        log(f"warning: {real_dir.parent} does not support atomic exchange; moving in two steps")
-        link_target = os.readlink(placeholder)
-        placeholder.unlink()
-        os.rename(real_dir, placeholder)
-        atomic_symlink(link_target, real_dir)
-
-
-def finish_interrupted_adoption(store: Store, log=print) -> None:
-    """A kill between committing an adopted generation and swapping the directory in: finish the swap."""
-    for gen in store.usable():
-        if gen.env.is_symlink() and str(gen.record.get("origin", "")).startswith("adopted:"):
-            src = Path(gen.record["origin"].split(":", 1)[1])
-            if src.is_dir() and not src.is_symlink():
-                log(f"finishing the interrupted adoption of {src} as {gen.name}")
-                if store.active_or_none() is None or store.active_or_none().name != gen.name:
-                    store.flip(gen.name, None, f"adopt {src} (finishing an interrupted run)")
-                _swap_in(src, gen.env, log)
-                store.index_files(gen)
-            else:
-                log(f"removing {gen.name}: its adoption never completed")
-                remove_tree(gen.path)
 
 
 # ------------------------------------------------------------------------------------------------ snapshot

@@ -34,7 +34,7 @@ from bwstack.store.generations import (
     remove_tree,
     write_hook,
 )
-from bwstack.store.runlock import RunLock
+from bwstack.store.session import open_store
 
 GIB = 1 << 30
 
@@ -131,10 +131,7 @@ def _verify_new_env(profile: Profile, env: Path, expected: dict[str, str]) -> tu
 
 def build(lock: Lock, profile: Profile, layout: Layout, opts: BuildOptions, log=print) -> dict:
     profile.require_closure(lock.path)  # a missing or stale closure is refused before the store is touched
-    with RunLock(layout.root):
-        store = Store(layout, log)
-        store.prepare()
-        backup.finish_interrupted_adoption(store, log)
+    with open_store(layout, log) as store:
         return _build_locked(lock, profile, store, opts, log)
 
 
@@ -301,10 +298,7 @@ def rollback(
 ) -> dict:
     opts = opts or BuildOptions()
     started = time.perf_counter()
-    with RunLock(layout.root):
-        store = Store(layout, log)
-        store.prepare()
-        backup.finish_interrupted_adoption(store, log)
+    with open_store(layout, log) as store:
         problem = store.current_problem()
         if problem:
             log(f"warning: {problem}; rolling back repairs it")

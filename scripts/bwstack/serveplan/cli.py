@@ -1,46 +1,16 @@
-"""`bwstack serve-plan`: the plan for one model, as a table or JSON."""
+"""`bwstack serve-plan`: the plan for one model (its options are declared in bwstack.cli.commands.serve_plan,
+which prints the plan as a table or JSON)."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import re
-import sys
 from pathlib import Path
 
 from bwstack.errors import UsageError
 
 CAPABILITY_RE = re.compile(r"^\d{1,2}\.\d$")
 NAME_RE = re.compile(r"^[A-Za-z0-9_]+$")
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "serve-plan",
-        help="what SGLang will really run for a model on the target GPU, with the kernels behind every path",
-        description="Exit status: 0 when every chosen path has kernels for the GPU, 1 when one does not (the "
-        "suggested flags are printed) or no plan could be made, 2 for bad input.",
-    )
-    p.add_argument("--model", help="a model directory (config.json, no weights) or a reference config name")
-    p.add_argument("--draft", help="the speculative draft model (directory or reference name)")
-    p.add_argument("--list-models", action="store_true", help="list the reference configs and where they come from")
-    p.add_argument("--profile", help="the lock profile whose hardware target is planned for (default: the lock's)")
-    p.add_argument("--env", help="the env whose SGLang decides (default: the active ml-env)")
-    p.add_argument("--root", help=argparse.SUPPRESS)
-    p.add_argument("--ml-env", help=argparse.SUPPRESS)
-    p.add_argument(
-        "--capability",
-        help="simulate this GPU capability (default: the profile target's, or the real GPU when this host has one)",
-    )
-    p.add_argument("--simulate", action="store_true", help="simulate the target even on a host with a GPU")
-    p.add_argument("--tp", type=int, help="tensor parallel size (default: the target's GPU count)")
-    p.add_argument("--speculative-algorithm", help="e.g. EAGLE3 (SGLang's names)")
-    p.add_argument("--quantization", help="SGLang's --quantization")
-    p.add_argument("--attention-backend", help="SGLang's --attention-backend")
-    p.add_argument("--moe-runner-backend", help="SGLang's --moe-runner-backend")
-    p.add_argument("--no-fix", action="store_true", help="do not search for flags that fix failing paths")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_serve_plan)
 
 
 def _env(args: argparse.Namespace) -> Path:
@@ -89,27 +59,19 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError("--draft needs --speculative-algorithm (e.g. EAGLE3)")
 
 
-def _list_models(args: argparse.Namespace) -> int:
+def list_models() -> dict[str, dict]:
+    """The reference configs, each with where it comes from."""
     from bwstack.probe.serveplan import references
 
-    rows = {name: references.source(name) for name in references.reference_names()}
-    if args.json:
-        json.dump(rows, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-        return 0
-    width = max(len(n) for n in rows)
-    for name, src in rows.items():
-        print(f"{name:<{width}}  {src['repo']}: {src['shape']}")
-    return 0
+    return {name: references.source(name) for name in references.reference_names()}
 
 
-def cmd_serve_plan(args: argparse.Namespace) -> int:
+def serve_plan(args: argparse.Namespace):
+    """The plan (a serveplan.records plan) for the model and flags the serve-plan options name."""
     from bwstack.lock.model import load_lock
     from bwstack.probe.serveplan import node
-    from bwstack.serveplan import assemble, catalogue, render
+    from bwstack.serveplan import assemble, catalogue
 
-    if args.list_models:
-        return _list_models(args)
     _check(args)
     model = _model(args.model, "--model")
     if model is None:
@@ -153,9 +115,4 @@ def cmd_serve_plan(args: argparse.Namespace) -> int:
             from dataclasses import replace
 
             plan = replace(plan, fix=fix)
-    if args.json:
-        json.dump(plan.as_json(), sys.stdout, indent=2, default=str)
-        sys.stdout.write("\n")
-    else:
-        print(render.render(plan))
-    return 0 if plan.ok else 1
+    return plan

@@ -16,10 +16,22 @@ import json
 import sys
 from pathlib import Path
 
+from bwstack.cli import options
 from bwstack.errors import UsageError
 from bwstack.lock import system
 
 DEFAULT_OS_RELEASE = "/etc/os-release"
+NAME = "system-packages"
+HELP = "the lock's OS packages for this host's (or a given) os-release"
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--os-release",
+        default=DEFAULT_OS_RELEASE,
+        help="the host's os-release file, - for stdin (default: %(default)s)",
+    )
+    options.add_json(p)
 
 
 def read_os_release(path: str) -> dict[str, str]:
@@ -40,7 +52,7 @@ def read_os_release(path: str) -> dict[str, str]:
     return system.parse_os_release(text, path)
 
 
-def cmd_system_packages(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from bwstack.lock.model import load_lock
 
     lock = load_lock(args.lock)
@@ -59,14 +71,3 @@ def cmd_system_packages(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("system-packages", help="the lock's OS packages for this host's (or a given) os-release")
-    p.add_argument(
-        "--os-release",
-        default=DEFAULT_OS_RELEASE,
-        help="the host's os-release file, - for stdin (default: %(default)s)",
-    )
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_system_packages)

@@ -1,0 +1,41 @@
+"""`bwstack bench`: the performance figures (P1-P6) against their anchors, in one run."""
+
+from __future__ import annotations
+
+import argparse
+
+from bwstack.cli import options
+from bwstack.cli.console import Console
+
+NAME = "bench"
+HELP = "the performance figures (P1-P6) against their anchors, in one run"
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    options.add_profile(p, help="profile to benchmark (default cu128: the one PyPI serves)")
+    p.set_defaults(profile="cu128")
+    p.add_argument("--work", default="/var/tmp/bwstack-bench", help="scratch directory (tens of GB for cu128)")
+    p.add_argument("--runs", type=options.positive_int, default=3)
+    p.add_argument("--quick", action="store_true", help="a small real closure: checks the harness, not speed")
+    p.add_argument("--only", help="comma list, e.g. P1,P3")
+    options.add_json(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    import time
+
+    from bwstack.bench import run as bench
+
+    console = Console.of(args)
+    only = [x.strip().upper() for x in args.only.split(",")] if args.only else None
+    figures = bench.run(args.lock, args.profile, args.work, args.runs, args.quick, only, log=console.note)
+
+    def text() -> str:
+        header = (
+            f"bwstack bench{' --quick' if args.quick else ''} --profile {args.profile} --runs {args.runs}: "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {bench.machine()}"
+        )
+        return header + "\n\n" + bench.render(figures)
+
+    console.result([f.as_dict() for f in figures], text)
+    return 0

@@ -1,0 +1,43 @@
+"""`bwstack cuda status|install`: the profile's CUDA toolkit (install: from the lock's PyPI wheels)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from bwstack.cli import options
+from bwstack.cli.console import Console
+
+NAME = "cuda"
+HELP = "the profile's CUDA toolkit: status, or install (pip)"
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    options.add_node(p)
+    options.add_sources(p, python=True)
+    p.add_argument("action", choices=["status", "install"])
+    options.add_profile(p, help=None)
+    p.add_argument("--prefix", help="install prefix (default: the profile's cuda.home)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from bwstack.lock.model import load_lock
+    from bwstack.provision import cudatk
+    from bwstack.provision.wheelhouse import Fetcher
+
+    console = Console.of(args)
+    profile = load_lock(args.lock).profile(args.profile)
+    home = Path(args.prefix or profile.cuda.home)
+    if args.action == "status":
+        st = cudatk.status(home)
+        payload = st.as_dict() | {"profile_version": profile.cuda.version, "matches": cudatk.matches(profile, st)}
+        console.result(payload, f"{home}: {st.version or 'absent'} ({st.managed_by}) {st.note}".strip())
+        return 0 if st.exists else 1
+    options.apply_ca_bundle(args)
+    layout = options.layout(args)
+    fetcher = Fetcher(layout.wheel_store, options.sources(args), log=console.log)
+    before = cudatk.status(home)
+    st = cudatk.install_pip(profile, fetcher, home, log=console.log)
+    payload = st.as_dict() | {"changed": not before.exists}
+    console.result(payload, f"{home}: CUDA {st.version} ({'installed' if not before.exists else 'already there'})")
+    return 0

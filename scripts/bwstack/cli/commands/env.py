@@ -1,0 +1,46 @@
+"""`bwstack env install`: install a rendered requirement file into an env (the Docker build's per-layer step)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from bwstack.cli import options
+from bwstack.cli.console import Console
+
+NAME = "env"
+HELP = "low-level env operations"
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="env_command", required=True)
+    install = sub.add_parser("install", help="install a rendered requirement file into an env")
+    options.add_sources(install, python=True)
+    install.add_argument("--requirements", type=options.existing_file, required=True)
+    install.add_argument("--into", required=True)
+    install.add_argument("--python-version", default="3.12")
+    install.add_argument("--glibc", type=int, default=28, help="manylinux_2_N of the target (default 28)")
+    install.add_argument("--store", help="wheel store (default: beside the env)")
+    install.add_argument("--uv-cache")
+    install.add_argument("--link-mode", default="copy", choices=["copy", "hardlink"])
+
+
+def run(args: argparse.Namespace) -> int:
+    from bwstack.lock import requirements
+    from bwstack.lock.tags import Target, select
+    from bwstack.provision import envbuild
+    from bwstack.provision.wheelhouse import Fetcher, Sources
+
+    options.apply_ca_bundle(args)
+    env = Path(args.into)
+    packages = requirements.parse(Path(args.requirements))
+    target = Target(python=args.python_version, glibc_minor=args.glibc)
+    store = Path(args.store) if args.store else env.parent / ".bwstack-wheels"
+    # No --index here: a build step gets its wheels from the build's server (a wheelhouse) or the lock's URLs.
+    fetcher = Fetcher(store, Sources.parse(args.wheelhouse or (), (), args.offline), args.allow_unhashed or ())
+    wheels = fetcher.fetch_all(select(packages, target))
+    if not (env / "bin" / "python").exists():
+        envbuild.create_venv(env, envbuild.find_python(args.python_version, args.python))
+    envbuild.install(env, wheels, link_mode=args.link_mode, cache_dir=Path(args.uv_cache) if args.uv_cache else None)
+    Console().text(f"installed {len(wheels)} packages into {env}")
+    return 0

@@ -1,0 +1,53 @@
+"""`bwstack waivers`: the verify waivers this node remembers (set at provision time), listed or replaced."""
+
+from __future__ import annotations
+
+import argparse
+
+from bwstack.cli import options
+from bwstack.cli.console import Console
+from bwstack.errors import BwstackError, UsageError
+
+NAME = "waivers"
+HELP = "the verify waivers this node remembers (set at provision time)"
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    options.add_node(p)
+    p.add_argument("--set", action="append", metavar="CHECK=REASON", help="replace the remembered waivers (repeatable)")
+    p.add_argument("--clear", action="store_true", help="forget every remembered waiver")
+    p.add_argument(
+        "--check", action="store_true", help="with --set/--clear: say whether it would change; change nothing"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from bwstack.probe import waivers
+
+    layout = options.layout(args)
+    replace = args.set is not None or args.clear
+    changed = False
+    if args.set is not None and args.clear:
+        raise UsageError("--set and --clear: give one (--set replaces the remembered waivers, --clear drops them)")
+    if replace and not layout.root.is_dir():
+        raise UsageError(f"no bwstack store at {layout.root}: provision the node first")
+    try:
+        current = waivers.load(layout.root)
+    except ValueError as exc:
+        if not replace:
+            raise BwstackError(str(exc)) from None
+        current = None  # a damaged file is replaced
+    if replace:
+        wanted = [] if args.clear else [waivers.parse(t) for t in options.waiver_texts(args.set)]
+        changed = current != wanted
+        if changed and not args.check:
+            try:
+                waivers.save(layout.root, wanted)
+            except OSError as exc:
+                raise BwstackError(f"could not write {waivers.path_of(layout.root)}: {exc.strerror}") from None
+        current = wanted
+    rows = [{"check": w.check, "reason": w.reason} for w in current or []]
+    payload = {"store": str(layout.root), "waivers": rows, "changed": changed}
+    text = "\n".join(f"{w['check']}: {w['reason']}" for w in rows) or f"no waivers remembered in {layout.root}"
+    Console.of(args).result(payload, text)
+    return 0

@@ -1,0 +1,63 @@
+"""The store preamble, owned here once: every command that changes a store opens it through `open_store`.
+
+Opening a store for a change means: take the run lock (one bwstack run at a time per store), make sure the
+store exists and clean what an interrupted run left (`Store.prepare`), and finish an adoption a kill
+interrupted between committing the generation and swapping the hand-made directory in. Only then may a
+command look at generations or change anything.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from bwstack.fsutil import atomic_symlink
+from bwstack.store.generations import Layout, Store, exchange, remove_tree
+from bwstack.store.runlock import RunLock
+
+Log = Callable[[str], None]
+
+
+@contextmanager
+def open_store(layout: Layout, log: Log = print) -> Iterator[Store]:
+    """The store at `layout`, locked for this run, prepared, with any interrupted adoption finished."""
+    with RunLock(layout.root):
+        store = Store(layout, log)
+        store.prepare()
+        finish_interrupted_adoption(store, log)
+        yield store
+
+
+def swap_in(real_dir: Path, placeholder: Path, log: Log) -> None:
+    """Put a real directory where the placeholder link is, and the link where the directory was: one atomic
+    exchange, so the path works before, during and after."""
+    try:
+        exchange(real_dir, placeholder)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+        # No RENAME_EXCHANGE on this filesystem: two renames, with a moment where the path is missing.
+        log(f"warning: {real_dir.parent} does not support atomic exchange; moving in two steps")
+        link_target = os.readlink(placeholder)
+        placeholder.unlink()
+        os.rename(real_dir, placeholder)
+        atomic_symlink(link_target, real_dir)
+
+
+def finish_interrupted_adoption(store: Store, log: Log = print) -> None:
+    """A kill between committing an adopted generation and swapping the directory in: finish the swap."""
+    for gen in store.usable():
+        if gen.env.is_symlink() and str(gen.record.get("origin", "")).startswith("adopted:"):
+            src = Path(gen.record["origin"].split(":", 1)[1])
+            if src.is_dir() and not src.is_symlink():
+                log(f"finishing the interrupted adoption of {src} as {gen.name}")
+                if store.active_or_none() is None or store.active_or_none().name != gen.name:
+                    store.flip(gen.name, None, f"adopt {src} (finishing an interrupted run)")
+                swap_in(src, gen.env, log)
+                store.index_files(gen)
+            else:
+                log(f"removing {gen.name}: its adoption never completed")
+                remove_tree(gen.path)
