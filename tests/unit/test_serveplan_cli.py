@@ -37,9 +37,9 @@ def fake_env(tmp_path):
 BAD = [
     ("capability-word", ["--model", "gpt-oss-20b", "--capability", "banana"], "--capability 'banana': expected"),
     ("capability-three-parts", ["--model", "gpt-oss-20b", "--capability", "12.0.1"], "--capability '12.0.1'"),
-    ("capability-empty", ["--model", "gpt-oss-20b", "--capability", ""], "--capability is empty"),
+    ("capability-empty", ["--model", "gpt-oss-20b", "--capability", ""], "--capability '': expected"),
     ("no-model", [], "--model is required"),
-    ("model-empty", ["--model", ""], "--model is empty"),
+    ("model-empty", ["--model", ""], "--model: empty value"),
     ("model-unknown", ["--model", "llama-9"], "--model llama-9: neither a reference config"),
     ("model-dir-without-config", ["--model", "/"], "--model /: neither a reference config"),
     ("draft-without-algorithm", ["--model", "llama-3.1-8b-instruct", "--draft", "gpt-oss-20b"], "--draft needs"),
