@@ -404,6 +404,17 @@ class AbiReport:
         return not self.missing and not self.missing_libraries
 
 
+@lru_cache(maxsize=64)
+def _torch_exports(key: tuple[str, int, int]) -> dict[str, frozenset[str | None]]:
+    """A provider's exported torch-namespace symbols with their versions, read once per file (every extension
+    of an env is checked against the same few torch libraries)."""
+    table: dict[str, set[str | None]] = {}
+    for sym in exported_symbols(key[0]):
+        if is_torch_symbol(sym.name):
+            table.setdefault(sym.name, set()).add(sym.version)
+    return {name: frozenset(versions) for name, versions in table.items()}
+
+
 def abi_report(
     ext_path: str | os.PathLike[str],
     torch_lib_dir: str | os.PathLike[str],
@@ -428,18 +439,16 @@ def abi_report(
             continue
         providers.append(candidate)
         queue += [n for n in needed(candidate) if os.path.isfile(os.path.join(lib_dir, n))]
-    exports: dict[str, set[str | None]] = {}
-    for provider in [*providers, *map(str, extra_providers)]:
-        for sym in exported_symbols(provider):
-            if is_torch_symbol(sym.name):
-                exports.setdefault(sym.name, set()).add(sym.version)
-    missing = sorted(
-        {
-            s.name
-            for s in wanted
-            if s.name not in exports or not (s.version is None or {s.version, None} & exports[s.name])
-        }
-    )
+    tables = [_torch_exports(_key(p)) for p in [*providers, *map(str, extra_providers)]]
+
+    def provided(sym: Symbol) -> bool:
+        for table in tables:
+            versions = table.get(sym.name)
+            if versions is not None and (sym.version is None or {sym.version, None} & versions):
+                return True
+        return False
+
+    missing = sorted({s.name for s in wanted if not provided(s)})
     pretty = demangle(missing)
     order = sorted(range(len(missing)), key=lambda i: pretty[i])
     return AbiReport(
