@@ -19,9 +19,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from elftools.common.exceptions import ELFError
-from elftools.elf.elffile import ELFFile
+if TYPE_CHECKING:  # pyelftools is imported when a file is first read (0.2 s the probe's cached runs skip)
+    from elftools.elf.elffile import ELFFile
 
 ELF_MAGIC = b"\x7fELF"
 _TORCH_NS = re.compile(r"(?<![0-9])(?:3c10|2at|5torch|6caffe2)")  # mangled c10::, at::, torch::, caffe2::
@@ -48,6 +49,9 @@ def check_elf(path: str | os.PathLike[str]) -> None:
 @contextmanager
 def open_elf(path: str | os.PathLike[str]) -> Iterator[ELFFile]:
     """pyelftools' ELFFile on ``path``; a non-ELF or corrupt file raises NotElfError (also from the body)."""
+    from elftools.common.exceptions import ELFError
+    from elftools.elf.elffile import ELFFile
+
     check_elf(path)
     with open(path, "rb") as fh:
         try:
