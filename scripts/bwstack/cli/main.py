@@ -763,7 +763,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_probe_bundle)
 
-    p = sub.add_parser("bench", help="the performance figures (P1-P6) against their anchors, in one run")
+    p = sub.add_parser("bench", help="the performance figures (P1-P7) against their anchors, in one run")
     p.add_argument("--profile", default="cu128", help="profile to benchmark (default cu128: the one PyPI serves)")
     p.add_argument("--work", default="/var/tmp/bwstack-bench", help="scratch directory (tens of GB for cu128)")
     p.add_argument("--runs", type=cliargs.positive_int, default=3)
