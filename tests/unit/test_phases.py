@@ -186,3 +186,34 @@ def test_the_event_callback_is_shipped_beside_the_playbooks():
     assert plugin.is_file()
     assert "bwstack_events" in playbooks._callbacks({"ANSIBLE_CALLBACKS_ENABLED": "timer"}).split(",")
     assert json.dumps(phases.BUILD_TIMINGS)
+
+
+@pytest.mark.ansible
+def test_the_callback_writes_task_and_result_events_from_a_real_playbook(tmp_path):
+    """ansible-playbook with the shipped callback: task starts, results (a failure's message) and the recap."""
+    binary = Path(sys.executable).parent / "ansible-playbook"
+    if not binary.is_file():
+        pytest.skip("ansible-playbook is not installed beside this Python")
+    book = tmp_path / "book.yml"
+    book.write_text(
+        "- hosts: localhost\n  gather_facts: false\n  tasks:\n"
+        "    - name: Say hello\n      ansible.builtin.command: echo hello\n      changed_when: false\n"
+        "    - name: Fail on purpose\n      ansible.builtin.fail:\n        msg: the node is unfit\n"
+    )
+    events = tmp_path / "events.jsonl"
+    env = {**os.environ, "BWSTACK_EVENTS": str(events), "ANSIBLE_CALLBACKS_ENABLED": "bwstack_events",
+           "ANSIBLE_CALLBACK_PLUGINS": str(REPO / "ansible" / "callback_plugins"),
+           "ANSIBLE_LOCALHOST_WARNING": "false", "ANSIBLE_INVENTORY_UNPARSED_WARNING": "false"}  # fmt: skip
+    import subprocess
+
+    done = subprocess.run([str(binary), "-i", "localhost,", "-c", "local", str(book)], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 2, done.stdout[-2000:]
+    got = [json.loads(line) for line in events.read_text().splitlines()]
+    kinds = [(e["event"], e.get("name") or e.get("task")) for e in got if e["event"] != "play"]
+    assert kinds[:4] == [("task", "Say hello"), ("ok", "Say hello"), ("task", "Fail on purpose"),
+                         ("failed", "Fail on purpose")]  # fmt: skip
+    assert got[2]["result"]["delta"].startswith("0:00:")
+    assert got[-1]["event"] == "stats" and got[-1]["hosts"]["localhost"]["failures"] == 1
+    report, _ = _report(got, started=got[0]["t"])
+    assert report.failures == ['localhost: failed at "Fail on purpose": the node is unfit']

@@ -36,6 +36,7 @@ PHASES: tuple[tuple[str, str, str], ...] = (
 BUILD_TIMINGS = (
     ("fetch_s", "fetch"),
     ("install_s", "install"),
+    ("bytecode_s", "bytecode"),
     ("seal_manifest_s", "seal"),
     ("verify_s", "verify (build)"),
 )

@@ -203,7 +203,9 @@ def _build_generation(
         applied = patches.apply(envinspect.site_packages(env), profile.patches) if profile.patches else []
         checkpoint("after-patch")
         write_hook(env, name)
+        t1 = time.perf_counter()
         envbuild.compile_bytecode(env)
+        timings["bytecode_s"] = time.perf_counter() - t1
         checkpoint("after-bytecode")
         os.symlink(profile.cuda.home, building / "cuda")
         t0 = time.perf_counter()
