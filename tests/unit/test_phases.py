@@ -206,8 +206,8 @@ def test_the_callback_writes_task_and_result_events_from_a_real_playbook(tmp_pat
            "ANSIBLE_LOCALHOST_WARNING": "false", "ANSIBLE_INVENTORY_UNPARSED_WARNING": "false"}  # fmt: skip
     import subprocess
 
-    done = subprocess.run([str(binary), "-i", "localhost,", "-c", "local", str(book)], env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    cmd = [str(binary), "-i", "localhost,", "-c", "local", "-e", f"ansible_python_interpreter={sys.executable}"]
+    done = subprocess.run([*cmd, str(book)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stdout[-2000:]
     got = [json.loads(line) for line in events.read_text().splitlines()]
     kinds = [(e["event"], e.get("name") or e.get("task")) for e in got if e["event"] != "play"]
@@ -217,3 +217,23 @@ def test_the_callback_writes_task_and_result_events_from_a_real_playbook(tmp_pat
     assert got[-1]["event"] == "stats" and got[-1]["hosts"]["localhost"]["failures"] == 1
     report, _ = _report(got, started=got[0]["t"])
     assert report.failures == ['localhost: failed at "Fail on purpose": the node is unfit']
+
+
+def test_an_unwritable_log_directory_falls_back_to_a_temporary_file(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("BWSTACK_LOG_DIR", str(blocker / "logs"))
+    path = phases.new_log("provision")
+    try:
+        assert path.is_file() and path.name.startswith("bwstack-provision-")
+    finally:
+        path.unlink()
+
+
+def test_old_logs_are_pruned_to_the_last_few(tmp_path, monkeypatch):
+    monkeypatch.setenv("BWSTACK_LOG_DIR", str(tmp_path))
+    for i in range(phases.LOG_KEEP + 5):
+        (tmp_path / f"provision-20260101T0000{i:02d}Z-1.log").write_text("")
+    kept = phases.new_log("provision")
+    logs = sorted(tmp_path.glob("provision-*.log"))
+    assert len(logs) == phases.LOG_KEEP and kept in logs

@@ -225,7 +225,7 @@ class PhaseReport:
 
 def log_dir() -> Path:
     """$BWSTACK_LOG_DIR, else /var/log/bwstack as root, else ~/.local/state/bwstack/log."""
-    given = os.environ.get("BWSTACK_LOG_DIR")
+    given = os.environ.get("BWSTACK_LOG_DIR", "").strip()
     if given:
         return Path(given)
     if os.geteuid() == 0:
@@ -235,13 +235,20 @@ def log_dir() -> Path:
 
 
 def new_log(what: str) -> Path:
-    directory = log_dir()
-    directory.mkdir(parents=True, exist_ok=True)
+    """A new log file (the last LOG_KEEP of each kind are kept); in the temporary directory when the log
+    directory cannot be written."""
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    path = directory / f"{what}-{stamp}-{os.getpid()}.log"
-    path.touch(mode=0o600)
-    old = sorted(directory.glob(f"{what}-*.log"))[:-LOG_KEEP]
-    for stale in old:
+    name = f"{what}-{stamp}-{os.getpid()}.log"
+    try:
+        directory = log_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / name
+        path.touch(mode=0o600)
+    except OSError:
+        import tempfile
+
+        return Path(tempfile.mkstemp(prefix=f"bwstack-{what}-", suffix=".log")[1])
+    for stale in sorted(directory.glob(f"{what}-*.log"))[:-LOG_KEEP]:
         stale.unlink(missing_ok=True)
     return path
 
