@@ -237,3 +237,24 @@ def test_old_logs_are_pruned_to_the_last_few(tmp_path, monkeypatch):
     kept = phases.new_log("provision")
     logs = sorted(tmp_path.glob("provision-*.log"))
     assert len(logs) == phases.LOG_KEEP and kept in logs
+
+
+def test_download_progress_is_shown_at_intervals_when_not_a_terminal(tmp_path):
+    import io
+    import time
+
+    path = tmp_path / "progress.json"
+    progress = DownloadProgress(files=3, path=path, interval=0)
+    progress.started_download(10_000_000)
+    progress.add(5_000_000)
+    stream = io.StringIO()
+    with phases.DownloadWatch(path, stream=stream, interval=0.05, poll=0.02):
+        time.sleep(0.3)
+    lines = stream.getvalue().splitlines()
+    assert lines and all(line.startswith("  fetch: 5.0 MB of 10.0 MB, 0/3 wheels, ") for line in lines)
+    assert "\r" not in stream.getvalue(), "no carriage returns when not on a terminal"
+    progress.close()  # done: nothing more is shown
+    stream = io.StringIO()
+    with phases.DownloadWatch(path, stream=stream, interval=0, poll=0.02):
+        time.sleep(0.1)
+    assert stream.getvalue() == ""

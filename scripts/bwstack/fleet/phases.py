@@ -288,11 +288,12 @@ class DownloadWatch:
     """Polls the progress file a local build writes (bwstack.provision.progress) and shows bytes and rate:
     on a terminal one line rewritten in place, else a line every `interval` seconds."""
 
-    def __init__(self, path: Path, stream=None, interval: float = 10.0) -> None:
+    def __init__(self, path: Path, stream=None, interval: float = 10.0, poll: float | None = None) -> None:
         self.path = path
         self.stream = stream or sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.interval = interval
+        self.poll = poll if poll is not None else (1.0 if self.tty else 2.0)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._shown = False
@@ -310,7 +311,7 @@ class DownloadWatch:
 
     def _run(self) -> None:
         last_line = 0.0
-        while not self._stop.wait(1.0 if self.tty else 2.0):
+        while not self._stop.wait(self.poll):
             state = read_progress(self.path)
             if not state or state.get("done"):
                 continue
