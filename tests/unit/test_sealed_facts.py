@@ -149,3 +149,9 @@ def test_a_plain_env_has_no_recorded_facts(tmp_path):
     static, why = sealed.load_static(env, CAPABILITY)
     assert static is None and "not a generation" in why
     assert sealed.derived_key(env, "imports") is None
+
+
+def test_the_store_and_the_probe_name_the_facts_file_alike():
+    from bwstack.store.generations import FACTS
+
+    assert FACTS == sealed.FACTS_NAME

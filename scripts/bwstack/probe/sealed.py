@@ -12,6 +12,9 @@ The import checks also depend on the host (its libraries, the driver): their res
 cache, keyed by the generation, its manifest and the same host fingerprint plus the GPU and driver, and reused
 only while all of those match.
 
+A restored generation (bwstack restore) carries its facts.json, but its files have new inodes and mtimes, so its
+verify reads the files (cold) every time.
+
 Standard library only: this module runs on target hosts inside the verify probe.
 """
 

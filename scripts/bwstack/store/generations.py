@@ -46,6 +46,8 @@ from bwstack.store.objects import ObjectStore
 
 RECORD = "record.json"
 MANIFEST = manifest.MANIFEST_NAME
+# The static facts the node checks need, recorded when the generation is built (bwstack.probe.sealed).
+FACTS = "facts.json"
 HOOK_PTH = "zzzz_bwstack_generation.pth"  # last in site's alphabetical .pth order, after other path hooks
 HOOK_MODULE = "_bwstack_generation.py"
 BUILDING_PREFIX = ".building-"
