@@ -33,6 +33,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--stack-no-runtime", action="store_true", help="skip the GPU runtime probes")
     group.addoption("--stack-no-imports", action="store_true", help="skip the import checks (static checks only)")
     group.addoption(
+        "--stack-cold", action="store_true", help="read the env's files even when its sealed generation recorded them"
+    )
+    group.addoption(
         "--stack-no-remembered-waivers",
         action="store_true",
         help="ignore the waivers the node's store remembers (use only --stack-skip)",
@@ -169,6 +172,8 @@ def collect(host, config: pytest.Config, capability: str, serve_plan: dict | Non
         args.append("--no-runtime")
     if config.getoption("--stack-no-imports"):
         args.append("--no-imports")
+    if config.getoption("--stack-cold"):
+        args.append("--cold")
     if serve_plan:
         args += ["--serve-plan", json.dumps(serve_plan)]
     python = _python(host, env)
@@ -231,6 +236,9 @@ def plan_again(host, request: pytest.FixtureRequest, facts: dict):
 
     def run(requests: list[dict]) -> dict:
         job = {"device": observed["device"], "requests": requests}
+        reuse = (facts.get("facts_source") or {}).get("reuse")
+        if reuse is not None:  # the probe found the generation unchanged moments ago: its check holds
+            job["reuse"] = reuse
         return run_serve_plan(host, request.config, facts["env"]["path"], job)
 
     return run

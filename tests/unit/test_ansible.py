@@ -50,6 +50,8 @@ def env() -> dict:
         "ANSIBLE_CONFIG": str(ANSIBLE / "ansible.cfg"),
         "ANSIBLE_NOCOLOR": "1",
         "ANSIBLE_FORCE_COLOR": "0",
+        # These tests read Ansible's own lines (tasks, debug messages, the recap) from `bwstack provision`.
+        "BWSTACK_ANSIBLE_OUTPUT": "stream",
     }
 
 

@@ -52,7 +52,8 @@ def bwstack(*args: str) -> list[str]:
 def controller_env(tmpdir: Path | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "ANSIBLE_CONFIG"}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env.update({"ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0"})
+    # These tests read Ansible's own lines (tasks, debug messages, the recap) from `bwstack provision`.
+    env.update({"ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0", "BWSTACK_ANSIBLE_OUTPUT": "stream"})
     if tmpdir is not None:
         env["TMPDIR"] = str(tmpdir)
     return env

@@ -107,5 +107,3 @@ def test_the_probe_zipapp_carries_the_node_side_and_the_reference_configs(tmp_pa
         check=True,
     ).stdout.strip()
     assert out.split(",") == sorted(REFERENCES)
-
-

@@ -9,8 +9,11 @@ to ship to nodes. The roles never parse the lock in Jinja; they read this JSON.
 
 Targets (bwstack.checks.hostspec): `local://` (this machine, connection=local), `ssh://[user@]host[:port]` (several,
 comma-separated: a temporary inventory is written), or `ansible://INVENTORY[?limit=PATTERN&group=GROUP]` (yours);
-`--ssh-key` and `--known-hosts` become the hosts' SSH settings. The run streams Ansible's output and ends, on
-failure, with one line naming each failed host by its label and its last error (or that it was unreachable).
+`--ssh-key` and `--known-hosts` become the hosts' SSH settings. Ansible's whole output goes to a log file whose path
+is printed first; the run prints one line per phase with its time (bwstack.fleet.phases), the download progress of a
+local build, each failing task's message, and ends, on failure, with one line naming each failed host by its label
+and its last error (or that it was unreachable). BWSTACK_ANSIBLE_OUTPUT=stream passes Ansible's output through as
+it comes instead (what the Ansible tests read).
 """
 
 from __future__ import annotations
@@ -362,6 +365,9 @@ def run_playbook(playbook: str, settings: PlaybookSettings, extra_vars: dict) ->
                 inv = Path(tmp) / "inventory.json"
                 inv.write_text(json.dumps(targets.inventory, indent=2))
                 cmd += ["-i", str(inv)]
+            local = targets.labels == {"localhost": "localhost"}
+            if local:  # the build runs on this machine: its download progress can be shown as it goes
+                variables["bwstack_progress_file"] = str(Path(tmp) / "progress.json")
             vars_file = Path(tmp) / "extra-vars.json"
             vars_file.write_text(json.dumps(variables, indent=2))
             cmd += ["-e", f"@{vars_file}"]
@@ -372,7 +378,11 @@ def run_playbook(playbook: str, settings: PlaybookSettings, extra_vars: dict) ->
             if settings.diff:
                 cmd.append("--diff")
             print(f"bwstack: running {redact(shlex.join(cmd))}", file=sys.stderr, flush=True)
-            code = _stream(cmd, _ansible_env(directory, Path(tmp)), directory, outcome)
+            env = _ansible_env(directory, Path(tmp))
+            if os.environ.get("BWSTACK_ANSIBLE_OUTPUT") == "stream":
+                code = _stream(cmd, env, directory, outcome)
+            else:
+                code = _run_quiet(cmd, env, directory, outcome, Path(tmp))
     except KeyboardInterrupt:
         print("bwstack: interrupted", file=sys.stderr)
         return 130
@@ -407,6 +417,63 @@ def _stream(cmd: list[str], env: dict, cwd: Path, outcome: _Outcome) -> int:
             proc.kill()
             proc.wait()
         raise
+
+
+def _run_quiet(cmd: list[str], env: dict, cwd: Path, outcome: _Outcome, tmp: Path) -> int:
+    """Run ansible-playbook with its whole output in a log file (path printed first); print one line per phase
+    with its time (bwstack_events callback), download progress of a local build, and on failure the failing
+    task's message."""
+    from bwstack.fleet import phases
+
+    log = phases.new_log("provision" if "provision" in cmd[1] else Path(cmd[1]).stem)
+    print(f"bwstack: Ansible's output: {log}", flush=True)
+    events_path = tmp / "events.jsonl"
+    events_path.touch()
+    env = {**env, "BWSTACK_EVENTS": str(events_path), "ANSIBLE_CALLBACKS_ENABLED": _callbacks(env),
+           "ANSIBLE_CALLBACK_PLUGINS": _callback_dirs(cwd, env)}  # fmt: skip
+    report = phases.PhaseReport(lambda line: print(line, flush=True))
+    tail = phases.EventTail(events_path)
+    watch = phases.DownloadWatch(tmp / "progress.json")
+    with open(log, "a", encoding="utf-8") as out, watch:
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                out.write(line)
+                outcome.read(line)
+                for event in tail.read():
+                    report.feed(event)
+            code = proc.wait()
+        except BaseException:
+            _stop(proc)
+            raise
+    for event in tail.read():
+        report.feed(event)
+    report.finish()
+    for failure in report.failures:
+        print(f"bwstack: {failure}", flush=True)
+    if code != 0:
+        print(f"bwstack: the whole Ansible output is in {log}", flush=True)
+    return code
+
+
+def _callbacks(env: dict) -> str:
+    enabled = [c for c in env.get("ANSIBLE_CALLBACKS_ENABLED", "").split(",") if c.strip()]
+    return ",".join([*enabled, "bwstack_events"])
+
+
+def _callback_dirs(directory: Path, env: dict) -> str:
+    given = env.get("ANSIBLE_CALLBACK_PLUGINS", "")
+    return os.pathsep.join(p for p in (str(directory / "callback_plugins"), given) if p)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def run_provision(

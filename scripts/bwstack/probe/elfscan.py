@@ -19,9 +19,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from elftools.common.exceptions import ELFError
-from elftools.elf.elffile import ELFFile
+if TYPE_CHECKING:  # pyelftools is imported when a file is first read (0.2 s the probe's cached runs skip)
+    from elftools.elf.elffile import ELFFile
 
 ELF_MAGIC = b"\x7fELF"
 _TORCH_NS = re.compile(r"(?<![0-9])(?:3c10|2at|5torch|6caffe2)")  # mangled c10::, at::, torch::, caffe2::
@@ -48,6 +49,9 @@ def check_elf(path: str | os.PathLike[str]) -> None:
 @contextmanager
 def open_elf(path: str | os.PathLike[str]) -> Iterator[ELFFile]:
     """pyelftools' ELFFile on ``path``; a non-ELF or corrupt file raises NotElfError (also from the body)."""
+    from elftools.common.exceptions import ELFError
+    from elftools.elf.elffile import ELFFile
+
     check_elf(path)
     with open(path, "rb") as fh:
         try:
@@ -404,6 +408,17 @@ class AbiReport:
         return not self.missing and not self.missing_libraries
 
 
+@lru_cache(maxsize=64)
+def _torch_exports(key: tuple[str, int, int]) -> dict[str, frozenset[str | None]]:
+    """A provider's exported torch-namespace symbols with their versions, read once per file (every extension
+    of an env is checked against the same few torch libraries)."""
+    table: dict[str, set[str | None]] = {}
+    for sym in exported_symbols(key[0]):
+        if is_torch_symbol(sym.name):
+            table.setdefault(sym.name, set()).add(sym.version)
+    return {name: frozenset(versions) for name, versions in table.items()}
+
+
 def abi_report(
     ext_path: str | os.PathLike[str],
     torch_lib_dir: str | os.PathLike[str],
@@ -428,18 +443,16 @@ def abi_report(
             continue
         providers.append(candidate)
         queue += [n for n in needed(candidate) if os.path.isfile(os.path.join(lib_dir, n))]
-    exports: dict[str, set[str | None]] = {}
-    for provider in [*providers, *map(str, extra_providers)]:
-        for sym in exported_symbols(provider):
-            if is_torch_symbol(sym.name):
-                exports.setdefault(sym.name, set()).add(sym.version)
-    missing = sorted(
-        {
-            s.name
-            for s in wanted
-            if s.name not in exports or not (s.version is None or {s.version, None} & exports[s.name])
-        }
-    )
+    tables = [_torch_exports(_key(p)) for p in [*providers, *map(str, extra_providers)]]
+
+    def provided(sym: Symbol) -> bool:
+        for table in tables:
+            versions = table.get(sym.name)
+            if versions is not None and (sym.version is None or {sym.version, None} & versions):
+                return True
+        return False
+
+    missing = sorted({s.name for s in wanted if not provided(s)})
     pretty = demangle(missing)
     order = sorted(range(len(missing)), key=lambda i: pretty[i])
     return AbiReport(

@@ -20,7 +20,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bwstack.probe import elfscan, envinspect, fatbin, features, interp, schema, waivers
+from bwstack.probe import elfscan, envinspect, fatbin, features, interp, schema, sealed, waivers
 
 DRIVER_LIBS = {"libcuda.so.1", "libnvidia-ml.so.1"}
 TORCH_NEEDED = re.compile(r"^lib(torch|c10)")
@@ -98,7 +98,15 @@ def _requires(dist: envinspect.Installed) -> list[str]:
     return [r.strip() for r in message.get_all("Requires-Dist") or []]
 
 
-def env_facts(env: Path) -> dict:
+def installed_facts(env: Path) -> dict:
+    return {
+        name: {"version": d.version, "requires": _requires(d), "installer": d.installer}
+        for name, d in envinspect.installed(env).items()
+    }
+
+
+def env_facts(env: Path, static: dict | None = None) -> dict:
+    """The env's own facts; `static` (a sealed generation's recorded facts) replaces reading its files."""
     real = env.resolve()
     facts: dict = {"path": str(env), "real": str(real), "exists": env.exists()}
     if not env.exists():
@@ -106,10 +114,7 @@ def env_facts(env: Path) -> dict:
     sp = envinspect.site_packages(env)
     facts["site_packages"] = str(sp)
     facts["python"] = envinspect.env_python_version(env)
-    facts["installed"] = {
-        name: {"version": d.version, "requires": _requires(d), "installer": d.installer}
-        for name, d in envinspect.installed(env).items()
-    }
+    facts["installed"] = static["installed"] if static else installed_facts(env)
     record = real.parent / "record.json"
     if record.is_file():
         data = json.loads(record.read_text())
@@ -121,7 +126,7 @@ def env_facts(env: Path) -> dict:
             "cuda_home": data.get("cuda_home"),
             "verification": data.get("verification", {}).get("status"),
         }
-    facts["torch_version_py"] = _torch_version_py(sp)
+    facts["torch_version_py"] = static["torch_version_py"] if static else _torch_version_py(sp)
     facts["store"] = store_facts(env)
     return facts
 
@@ -471,8 +476,35 @@ def runtime_facts(env: Path) -> dict:
 # ------------------------------------------------------------------------------------------------ main
 
 
+def _gpu_key(gpu: dict) -> list:
+    return [gpu.get("present"), gpu.get("driver"), [[g.get("name"), g.get("capability")] for g in gpu.get("gpus", [])]]
+
+
+def static_facts(env: Path, sp: Path, capability: str, torch_version: dict) -> dict:
+    """The facts read from the env's own files (what a sealed generation records in its facts.json)."""
+    return {
+        "elf": elf_facts(env, sp, torch_version),
+        "fatbin": fatbin_facts(sp, capability),
+        "features": features.report(sp, capability),
+    }
+
+
+def record_static(gen_dir: Path, env: Path, capability: str) -> Path:
+    """Write a generation's facts.json (at build time, before its manifest)."""
+    sp = envinspect.site_packages(env)
+    torch_version = _torch_version_py(sp)
+    facts = {"installed": installed_facts(env), "torch_version_py": torch_version}
+    facts.update(static_facts(env, sp, capability, torch_version))
+    return sealed.write_static(gen_dir, env, capability, facts)
+
+
 def collect(
-    env: Path, capability: str = "12.0", runtime: bool = True, imports: bool = True, serve_plan: dict | None = None
+    env: Path,
+    capability: str = "12.0",
+    runtime: bool = True,
+    imports: bool = True,
+    serve_plan: dict | None = None,
+    cached: bool = True,
 ) -> schema.Facts:
     import time
 
@@ -487,30 +519,48 @@ def collect(
 
     facts["host"] = host_facts()
     facts["gpu"] = gpu_facts()
-    facts["env"] = env_facts(env)
+    static, why = sealed.load_static(env, capability) if cached and env.exists() else (None, "not asked to reuse")
+    facts["facts_source"] = {"static": "recorded" if static else "read", "why": why}
+    facts["env"] = env_facts(env, static)
     lap("env")
     if not facts["env"]["exists"]:
         return facts
     sp = Path(facts["env"]["site_packages"])
-    # The import checks are other processes: let them run while this one reads the ELF files.
+    # The import checks are other processes: let them run while this one reads the ELF files. A sealed,
+    # unchanged generation on an unchanged host reuses the results of the last run (sealed.py says why).
+    gpu_key = _gpu_key(facts["gpu"])
+    import_key = sealed.derived_key(env, "imports", gpu_key) if static else None
+    reused = sealed.load_derived(env, import_key) if imports and static else None
+    if reused is not None:
+        facts["imports"] = reused
+        facts["facts_source"]["imports"] = "recorded"
     pool = ThreadPoolExecutor(max_workers=1)
-    pending = pool.submit(import_facts, env, sp, facts["gpu"]["present"]) if imports else None
+    pending = pool.submit(import_facts, env, sp, facts["gpu"]["present"]) if imports and reused is None else None
     facts["cuda"] = cuda_facts(env, capability)
     lap("cuda")
-    facts["elf"] = elf_facts(env, sp, facts["env"].get("torch_version_py") or {})
-    lap("elf")
-    facts["fatbin"] = fatbin_facts(sp, capability)
-    lap("fatbin")
-    facts["features"] = features.report(sp, capability)
-    lap("features")
+    if static:  # what a fix search's serve-plan runs of this verify hand back to skip the unchanged check
+        facts["facts_source"]["reuse"] = {"basis": sealed.basis(env), "gpu": gpu_key, "cuda": facts["cuda"]}
+    if static:
+        facts["elf"], facts["fatbin"], facts["features"] = static["elf"], static["fatbin"], static["features"]
+        lap("static facts (recorded)")
+    else:
+        facts.update(static_facts(env, sp, capability, facts["env"].get("torch_version_py") or {}))
+        lap("elf, fatbin, features")
     if serve_plan and serve_plan.get("requests"):
         from bwstack.probe.serveplan import node
 
-        device = node.resolve_device(serve_plan["device"], env)
-        facts["serve_plan"] = node.observe(env, device, serve_plan["requests"], cuda=facts["cuda"]).as_dict()
+        key = sealed.derived_key(env, "serve-plan", serve_plan, gpu_key, facts["cuda"]) if static else None
+        facts["serve_plan"] = sealed.load_derived(env, key)
+        if facts["serve_plan"] is None:
+            device = node.resolve_device(serve_plan["device"], env)
+            facts["serve_plan"] = node.observe(env, device, serve_plan["requests"], cuda=facts["cuda"]).as_dict()
+            sealed.save_derived(env, key, facts["serve_plan"])
+        else:
+            facts["facts_source"]["serve_plan"] = "recorded"
         lap("serve-plan")
     if pending is not None:
         facts["imports"] = pending.result()
+        sealed.save_derived(env, import_key, facts["imports"])
         lap("imports (rest)")
     pool.shutdown()
     if runtime and facts["gpu"]["present"]:
@@ -535,10 +585,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-runtime", action="store_true")
     parser.add_argument("--no-imports", action="store_true")
     parser.add_argument("--serve-plan", help="JSON job: plan these models with SGLang's own code (bwstack.serveplan)")
+    parser.add_argument("--cold", action="store_true", help="read the env's files even if its generation recorded them")
     args = parser.parse_args(argv)
     env = Path(args.env) if args.env else default_env()
     job = json.loads(args.serve_plan) if args.serve_plan else None
-    facts = collect(env, args.capability, runtime=not args.no_runtime, imports=not args.no_imports, serve_plan=job)
+    runtime, imports, cached = not args.no_runtime, not args.no_imports, not args.cold
+    facts = collect(env, args.capability, runtime=runtime, imports=imports, serve_plan=job, cached=cached)
     json.dump(facts, sys.stdout, default=str)
     sys.stdout.write("\n")
     return 0

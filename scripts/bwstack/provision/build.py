@@ -22,6 +22,7 @@ from bwstack.fsutil import free_bytes, tree_size
 from bwstack.lock.model import Lock, Profile
 from bwstack.lock.tags import Target, select
 from bwstack.probe import envinspect
+from bwstack.probe import main as probe
 from bwstack.provision import backup, envbuild, patches
 from bwstack.provision.wheelhouse import Fetcher, LocalWheel, Sources
 from bwstack.store.generations import (
@@ -32,6 +33,7 @@ from bwstack.store.generations import (
     generation_name,
     now_iso,
     remove_tree,
+    seal,
     write_hook,
 )
 from bwstack.store.session import open_store
@@ -176,6 +178,7 @@ def _build_generation(
     fetcher = Fetcher(layout.wheel_store, opts.sources, opts.allow_unhashed, log=log)
     wheels = fetcher.fetch_all(select(closure.env, Target.of(profile)))
     timings["fetch_s"] = time.perf_counter() - t0
+    timings["fetch"] = fetcher.progress.summary()
     need = _required_bytes(wheels, layout.uv_cache)
     free = free_bytes(layout.generations)
     if free < need:
@@ -197,15 +200,23 @@ def _build_generation(
         applied = patches.apply(envinspect.site_packages(env), profile.patches) if profile.patches else []
         checkpoint("after-patch")
         write_hook(env, name)
+        t1 = time.perf_counter()
         envbuild.compile_bytecode(env)
+        timings["bytecode_s"] = time.perf_counter() - t1
         checkpoint("after-bytecode")
         os.symlink(profile.cuda.home, building / "cuda")
         t0 = time.perf_counter()
         expected = {n: p.version for n, p in closure.env.items()}
-        # Verification imports torch (seconds) while this process seals and hashes the files.
+        # Verification imports torch (seconds) while this process seals the env, records the static facts the
+        # node checks need (facts.json: `bwstack verify` reuses them while the generation is unchanged) and
+        # hashes the files.
         with ThreadPoolExecutor(max_workers=1) as pool:
             pending = pool.submit(_verify_new_env, profile, env, expected)
-            entries = store.seal_and_hash(building)
+            seal(env)
+            t1 = time.perf_counter()
+            probe.record_static(building, env, profile.expect.target_capability)
+            timings["facts_s"] = time.perf_counter() - t1
+            entries = store.seal_and_hash(building, sealed=True)
             timings["seal_manifest_s"] = time.perf_counter() - t0
             verification, torch = pending.result()
         timings["verify_s"] = time.perf_counter() - t0

@@ -29,6 +29,7 @@ from bwstack.errors import BwstackError, HashMismatchError, UsageError
 from bwstack.fsutil import free_bytes, sha256_file
 from bwstack.lock import pypi
 from bwstack.lock.model import LockedPackage, Wheel
+from bwstack.provision.progress import DownloadProgress
 
 CHUNK = 1 << 20
 DISK_MARGIN = 512 << 20
@@ -114,6 +115,7 @@ class Fetcher:
         log=print,
         *,
         rehash_store: bool = False,
+        progress: DownloadProgress | None = None,
     ) -> None:
         self.store = Path(store)
         self.sources = sources
@@ -121,6 +123,7 @@ class Fetcher:
         self.http = http or pypi.session()
         self.log = log
         self.rehash_store = rehash_store
+        self.progress = progress or DownloadProgress()
 
     def fetch_all(self, selection: Mapping[str, tuple[LockedPackage, Wheel]]) -> dict[str, LocalWheel]:
         unknown = self.allow_unhashed - set(selection)
@@ -138,9 +141,18 @@ class Fetcher:
                 + " to accept them knowingly)"
             )
         self.store.mkdir(parents=True, exist_ok=True)
-        with ThreadPoolExecutor(max_workers=8) as pool:
-            results = list(pool.map(lambda item: self.fetch(*item[1]), sorted(selection.items())))
+        self.progress.files = len(selection)
+        try:
+            with ThreadPoolExecutor(max_workers=8) as pool:
+                results = list(pool.map(lambda item: self._fetch_counted(*item[1]), sorted(selection.items())))
+        finally:
+            self.progress.close()
         return {w.package: w for w in results}
+
+    def _fetch_counted(self, pkg: LockedPackage, wheel: Wheel) -> LocalWheel:
+        got = self.fetch(pkg, wheel)
+        self.progress.file_done()
+        return got
 
     def fetch(self, pkg: LockedPackage, wheel: Wheel) -> LocalWheel:
         if wheel.sha256 is not None:
@@ -216,8 +228,10 @@ class Fetcher:
                         f"not enough disk for {wheel.file} ({length >> 20} MiB) in {self.store}: "
                         f"{free_bytes(partial) >> 20} MiB free; free space or pass --root on a larger disk"
                     )
+                self.progress.started_download(length)
                 for chunk in response.iter_content(CHUNK):
                     out.write(chunk)
+                    self.progress.add(len(chunk))
         except requests.RequestException as exc:
             tmp.unlink(missing_ok=True)
             raise BwstackError(f"{pkg.name} {pkg.version}: cannot download {url}: {pypi._reason(exc)}") from None

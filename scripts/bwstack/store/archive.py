@@ -5,6 +5,7 @@ whole member list first and refuses the archive before writing a byte if any mem
 generation may hold:
 
   generation/record.json, generation/manifest.json   regular files (bounded size)
+  generation/facts.json                              a regular file (the recorded facts, when it has them)
   generation/cuda                                    a symbolic link to an absolute path (the toolkit)
   generation/env, generation/env/...                 directories, regular files, symbolic links, and hard
                                                      links to regular files of the same archive
@@ -39,6 +40,7 @@ from bwstack.errors import BwstackError, IntegrityError, UsageError
 from bwstack.store import manifest
 from bwstack.store.generations import (
     BUILDING_PREFIX,
+    FACTS,
     MANIFEST,
     RECORD,
     Generation,
@@ -86,8 +88,9 @@ def write_archive(gen: Generation, path: Path, level: int = 3) -> dict:
                 compressor.stream_writer(hashing, closefd=False) as zst,
                 tarfile.open(fileobj=zst, mode="w|", format=tarfile.PAX_FORMAT) as tar,
             ):
-                for rel in (RECORD, MANIFEST):
-                    tar.add(gen.path / rel, arcname=f"{TOP}/{rel}")
+                for rel in (RECORD, MANIFEST, FACTS):
+                    if rel != FACTS or (gen.path / rel).is_file():
+                        tar.add(gen.path / rel, arcname=f"{TOP}/{rel}")
                 if gen.cuda.is_symlink():
                     tar.add(gen.cuda, arcname=f"{TOP}/cuda")
                 for rel, _ in manifest.walk(gen.env):
@@ -165,7 +168,7 @@ def _check_member(info: tarfile.TarInfo, name: str, seen: dict[str, Member]) -> 
         what = "comes before its directory" if parent not in seen else "lies under a member that is not a directory"
         raise _refuse(f"archive member {shown!r} {what}")
     top = name.split("/", 1)[0]
-    allowed = {RECORD: "f", MANIFEST: "f", "cuda": "l", "env": "d"}
+    allowed = {RECORD: "f", MANIFEST: "f", FACTS: "f", "cuda": "l", "env": "d"}
     if name in allowed and Member.of(info, name, "").kind != allowed[name]:
         raise _refuse(f"archive member {shown!r} is not what a generation holds there")
     if top not in allowed or (top != "env" and name != top):

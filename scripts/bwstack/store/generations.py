@@ -45,6 +45,8 @@ from bwstack.store.objects import ObjectStore
 
 RECORD = "record.json"
 MANIFEST = manifest.MANIFEST_NAME
+# The static facts the node checks need, recorded when the generation is built (bwstack.probe.sealed).
+FACTS = "facts.json"
 HOOK_PTH = "zzzz_bwstack_generation.pth"  # last in site's alphabetical .pth order, after other path hooks
 HOOK_MODULE = "_bwstack_generation.py"
 BUILDING_PREFIX = ".building-"
@@ -466,10 +468,11 @@ class Store:
         os.chmod(building, 0o755)
         return building
 
-    def seal_and_hash(self, building: Path) -> list[manifest.Entry]:
-        """Seal the env and hash everything in the generation directory so far (files shared with uv's cache
-        or other generations are hashed once)."""
-        seal(building / "env")
+    def seal_and_hash(self, building: Path, *, sealed: bool = False) -> list[manifest.Entry]:
+        """Seal the env (unless `sealed`: done already) and hash everything in the generation directory so far
+        (files shared with uv's cache or other generations are hashed once)."""
+        if not sealed:
+            seal(building / "env")
         checkpoint("before-manifest")
         dev = os.stat(building).st_dev
         known: dict = manifest.HashCache(self.layout.cache / "file-hashes.json").load(dev)

@@ -1,4 +1,4 @@
-"""`bwstack bench`: the performance figures (P1-P6) against their anchors, in one run."""
+"""`bwstack bench`: the performance figures (P1-P7) against their anchors, in one run."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from bwstack.cli import options
 from bwstack.cli.console import Console
 
 NAME = "bench"
-HELP = "the performance figures (P1-P6) against their anchors, in one run"
+HELP = "the performance figures (P1-P7) against their anchors, in one run"
 
 
 def add_options(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,305 @@
+"""Facts of a sealed generation, computed once and reused while the generation and the host are unchanged.
+
+A generation's files do not change after it is sealed: its manifest (format 2) lists every path with kind,
+mode, owner, size, inode and mtime. The expensive facts the checks need (installed distributions, the ELF scan,
+fatbins, SM120 features) are read from those files, so `bwstack build` computes them once into `facts.json` in
+the generation directory, before the manifest is written (the manifest covers it). `bwstack verify` reuses
+them after a quick check: every path still matches its manifest row (kind, mode, owner, size, inode, mtime;
+nothing added, nothing missing). Any difference, or a host whose loader view changed (the ld.so cache, the
+system library directories, the interpreter), makes the probe read the files again ("cold").
+
+The import checks also depend on the host (its libraries, the driver): their results are kept in the store's
+cache, keyed by the generation, its manifest and the same host fingerprint plus the GPU and driver, and reused
+only while all of those match.
+
+A restored generation (bwstack restore) carries its facts.json, but its files have new inodes and mtimes, so its
+verify reads the files (cold) every time.
+
+Standard library only: this module runs on target hosts inside the verify probe.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import shutil
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+FACTS_NAME = "facts.json"
+FACTS_FORMAT = 1
+MANIFEST_NAME = "manifest.json"
+RECORD_NAME = "record.json"
+# The facts read from the generation's own files (capability-dependent ones are keyed by capability).
+STATIC_KEYS = ("installed", "torch_version_py", "elf", "fatbin", "features")
+MAX_FACTS_BYTES = 64 << 20
+
+
+def generation_of(env: Path) -> Path | None:
+    """The generation directory an env lives in (<root>/generations/<gen>/env), or None."""
+    real = Path(env).resolve()
+    gen = real.parent
+    if real.name == "env" and (gen / MANIFEST_NAME).is_file() and gen.parent.name == "generations":
+        return gen
+    return None
+
+
+def _stat_key(path: str) -> list:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return [path, None]
+    return [path, st.st_ino, st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode)]
+
+
+@functools.cache
+def host_fingerprint(env: Path) -> str:
+    """What the ELF resolution and the imports see outside the generation: the loader's cache and
+    configuration, the system library directories (a package installed or removed changes them), the base
+    interpreter, and LD_LIBRARY_PATH."""
+    from bwstack.probe import elfscan
+
+    parts: list = [_stat_key("/etc/ld.so.cache"), _stat_key("/etc/ld.so.conf")]
+    parts += [_stat_key(d) for d in elfscan.system_library_dirs()]
+    library_path = os.environ.get("LD_LIBRARY_PATH", "")
+    parts += [["LD_LIBRARY_PATH", library_path]] + [_stat_key(d) for d in library_path.split(":") if d]
+    parts.append(_stat_key(str((Path(env) / "bin" / "python").resolve())))
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
+def tree_stamp(env: Path, method: str | None = None) -> tuple[str, str]:
+    """(method, digest) of every path under `env` with its kind, inode, size, mtime, mode and owner: what the
+    manifest's quick check compares, as one digest. GNU find lists it at C speed (0.4 s for 92,000 paths);
+    without it, the same in Python. The method is recorded with the digest: both sides use the same one."""
+    find = shutil.which("find") if method in (None, "find") else None
+    if find is not None:
+        digest = hashlib.sha256()
+        fmt = "%y %i %s %T@ %m %U %G %P\\0"
+        cmd = [find, str(env), "-printf", fmt]
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) as proc:
+            assert proc.stdout is not None
+            while chunk := proc.stdout.read(1 << 20):
+                digest.update(chunk)
+        if proc.returncode == 0:
+            return "find", digest.hexdigest()
+        if method == "find":
+            return "find", "unreadable"
+    digest = hashlib.sha256()
+    for rel, st in _walk(str(env)):
+        kind = "l" if stat.S_ISLNK(st.st_mode) else "d" if stat.S_ISDIR(st.st_mode) else "f"
+        digest.update(
+            f"{kind} {st.st_ino} {st.st_size} {st.st_mtime_ns} {stat.S_IMODE(st.st_mode):o} {st.st_uid} {st.st_gid} "
+            f"{rel}\0".encode(errors="surrogateescape")
+        )
+    return "python", digest.hexdigest()
+
+
+def _walk(root: str):
+    yield "", os.lstat(root)
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = os.path.relpath(dirpath, root)
+        for name in sorted(dirnames) + sorted(filenames):
+            rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+            yield rel, os.lstat(os.path.join(dirpath, name))
+        dirnames.sort()
+
+
+def _manifest_row(gen: Path, path: str) -> list | None:
+    """One row of the generation's manifest, found in its bytes (rows are written as compact JSON lists)
+    without parsing the whole document."""
+    try:
+        with open(gen / MANIFEST_NAME, "rb") as handle:
+            data = handle.read()
+    except OSError:
+        return None
+    start = data.find(b"[" + json.dumps(path).encode() + b",")
+    if start < 0:
+        return None
+    end = data.find(b"]", start)
+    try:
+        row = json.loads(data[start : end + 1])
+    except ValueError:
+        return None
+    return row if isinstance(row, list) and len(row) == 9 else None
+
+
+def _matches_row(path: Path, row: list | None) -> bool:
+    if row is None:
+        return False
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    _rel, kind, size, mode, _sha, ino, mtime_ns, uid, gid = row
+    return (
+        kind == "f"
+        and stat.S_ISREG(st.st_mode)
+        and (st.st_size, stat.S_IMODE(st.st_mode), st.st_ino, st.st_mtime_ns, st.st_uid, st.st_gid)
+        == (size, mode, ino, mtime_ns, uid, gid)
+    )
+
+
+# ------------------------------------------------------------------------------------------------ static facts
+
+
+def write_static(gen_dir: Path, env: Path, capability: str, facts: dict) -> Path:
+    """facts.json of a generation being built: after its env is sealed, before its manifest is written."""
+    method, stamp = tree_stamp(env)
+    doc = {
+        "format": FACTS_FORMAT,
+        "env_prefix": str(env),
+        "tree": {"method": method, "digest": stamp},
+        "capability": capability,
+        "host": host_fingerprint(env),
+        "facts": {k: facts[k] for k in STATIC_KEYS if k in facts},
+    }
+    path = Path(gen_dir) / FACTS_NAME
+    path.write_text(json.dumps(doc, separators=(",", ":")))
+    os.chmod(path, 0o444)
+    return path
+
+
+def _relocate(text: str, old: str, new: str) -> str:
+    """Paths recorded under the env the facts were computed in, moved to the env being checked."""
+    if old == new:
+        return text
+    return text.replace(json.dumps(old)[1:-1], json.dumps(new)[1:-1])
+
+
+def load_static(env: Path, capability: str) -> tuple[dict | None, str]:
+    """(the generation's static facts relocated to `env`, why) or (None, why they cannot be used)."""
+    gen = generation_of(env)
+    if gen is None:
+        return None, "the env is not a generation of a store"
+    path = gen / FACTS_NAME
+    if not path.is_file():
+        return None, f"generation {gen.name} has no {FACTS_NAME} (built before facts were recorded)"
+    if not _matches_row(path, _manifest_row(gen, FACTS_NAME)):
+        return None, f"generation {gen.name}: {FACTS_NAME} does not match its manifest"
+    try:
+        if path.stat().st_size > MAX_FACTS_BYTES:
+            return None, f"{FACTS_NAME} too large"
+        doc = json.loads(path.read_text())
+        if doc.get("format") != FACTS_FORMAT:
+            return None, f"{FACTS_NAME} has another format"
+        if doc.get("capability") != capability:
+            return None, f"{FACTS_NAME} was computed for capability {doc.get('capability')}, not {capability}"
+        tree = doc.get("tree") or {}
+        if tree_stamp(gen / "env", tree.get("method")) != (tree.get("method"), tree.get("digest")):
+            return None, f"generation {gen.name} changed since it was sealed (a path under env/ differs)"
+        if doc.get("host") != host_fingerprint(env):
+            return None, "the host's libraries or interpreter changed since the facts were computed"
+        text = _relocate(json.dumps(doc["facts"]), doc["env_prefix"], str(env))
+        return json.loads(text), f"generation {gen.name} unchanged since it was sealed"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return None, f"{FACTS_NAME} unreadable ({exc})"
+
+
+# ------------------------------------------------------------------------------------------------ derived facts
+
+DERIVED_KEEP = 32  # results kept per generation (one per import set, serve-plan job, device)
+
+
+def _derived_cache(env: Path) -> Path | None:
+    gen = generation_of(env)
+    if gen is None:
+        return None
+    return gen.parent.parent / "cache" / "verify-facts" / f"{gen.name}.json"
+
+
+def basis(env: Path) -> list | None:
+    """What every result computed by running the env depends on besides its own inputs: the generation and its
+    manifest, the host fingerprint and the compiler (the stand-in libcuda)."""
+    gen = generation_of(env)
+    if gen is None:
+        return None
+    compiler = [_stat_key(p) for p in ("/usr/bin/gcc", "/usr/bin/cc")]
+    return [gen.name, _stat_key(str(gen / MANIFEST_NAME)), host_fingerprint(env), compiler]
+
+
+def basis_still_holds(env: Path, given: object) -> bool:
+    """A basis the probe computed moments ago in this verify run (after its unchanged check) still names this
+    generation and its manifest: later serve-plan runs of the same verify reuse it instead of walking again."""
+    gen = generation_of(env)
+    return (
+        gen is not None
+        and isinstance(given, list)
+        and len(given) == 4
+        and given[0] == gen.name
+        and given[1] == _stat_key(str(gen / MANIFEST_NAME))
+    )
+
+
+def derived_key(env: Path | None, kind: str, *inputs: object, base: list | None = None) -> str | None:
+    """The key of a result computed by running the env (imports, SGLang's serve plan): its basis and what the
+    caller names (the GPUs and driver, the job, the CUDA toolkit facts)."""
+    base = base if base is not None else (basis(env) if env is not None else None)
+    if base is None:
+        return None
+    key = [kind, base, list(inputs)]
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _read_derived(path: Path) -> dict:
+    try:
+        st = os.lstat(path)
+        owner = os.stat(path.parent.parent.parent)  # the store root: only its owner may write the cache
+        if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o022 or st.st_uid != owner.st_uid:
+            return {}
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def load_derived(env: Path, key: str | None) -> object | None:
+    path = _derived_cache(env)
+    if key is None or path is None:
+        return None
+    entry = _read_derived(path).get(key)
+    return entry.get("value") if isinstance(entry, dict) else None
+
+
+def save_derived(env: Path, key: str | None, value: object) -> None:
+    """Best effort: only the store's owner writes there; any other reader just computes it again."""
+    path = _derived_cache(env)
+    if key is None or path is None:
+        return
+    try:
+        if os.geteuid() != os.stat(path.parent.parent.parent).st_uid:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+        doc = _read_derived(path)
+        doc[key] = {"t": time.time(), "value": value}
+        doc = dict(sorted(doc.items(), key=lambda kv: -float(kv[1].get("t", 0)))[:DERIVED_KEEP])
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(doc, default=str))
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except (OSError, TypeError, ValueError):
+        return
+
+
+def unchanged_generation(env: Path) -> str | None:
+    """None when the env's sealed generation still matches what its facts.json recorded (its tree and its
+    host), else why not: the condition for reusing anything derived from it."""
+    gen = generation_of(env)
+    if gen is None:
+        return "the env is not a generation of a store"
+    path = gen / FACTS_NAME
+    if not _matches_row(path, _manifest_row(gen, FACTS_NAME)):
+        return f"generation {gen.name}: no {FACTS_NAME} matching its manifest"
+    try:
+        doc = json.loads(path.read_text())
+        tree = doc.get("tree") or {}
+    except (OSError, ValueError, AttributeError):
+        return f"{FACTS_NAME} unreadable"
+    if tree_stamp(gen / "env", tree.get("method")) != (tree.get("method"), tree.get("digest")):
+        return f"generation {gen.name} changed since it was sealed (a path under env/ differs)"
+    if doc.get("host") != host_fingerprint(env):
+        return "the host's libraries or interpreter changed since the facts were computed"
+    return None

@@ -1,0 +1,157 @@
+"""A sealed generation's recorded facts: written at build time under its manifest, reused by verify while the
+generation and the host are unchanged, and read from the files again (cold) once anything under it changed."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from conftest import needs_py312
+
+from bwstack.probe import main as probe
+from bwstack.probe import sealed
+from bwstack.store import manifest
+from bwstack.store.generations import Layout, Store
+
+CAPABILITY = "12.0"  # the fixture target's
+
+
+def _generation(stack) -> Path:
+    return Store(Layout(stack.root, stack.ml_env, stack.cuda_link, None)).active().path
+
+
+@pytest.fixture
+def built(stack):
+    stack.build("fixture-new", check=True)
+    return stack
+
+
+def _torch_version_py(gen: Path) -> Path:
+    return next((gen / "env").glob("lib/python3.*/site-packages/torch/version.py"))
+
+
+def _writable(path: Path) -> None:
+    os.chmod(path, 0o644)
+
+
+def _append(gen: Path) -> str:
+    path = _torch_version_py(gen)
+    _writable(path)
+    with open(path, "a") as handle:
+        handle.write("__version__ = '9.9.9'\n")
+    return "9.9.9"
+
+
+def _replace(gen: Path) -> str:
+    """A new inode with different bytes (what an installer does), mtime and size put back as they were."""
+    path = _torch_version_py(gen)
+    st = os.lstat(path)
+    text = path.read_text().replace("2.9.1", "2.9.7")
+    os.unlink(path)
+    path.write_text(text)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    return "2.9.7+cu130"
+
+
+def _add_file(gen: Path) -> None:
+    site = _torch_version_py(gen).parents[1]
+    os.chmod(site, 0o755)
+    (site / "dropped.pth").write_text("import os\n")
+
+
+def _chmod(gen: Path) -> None:
+    os.chmod(_torch_version_py(gen), 0o666)
+
+
+@needs_py312
+def test_a_built_generation_records_its_static_facts_under_its_manifest(built):
+    gen = _generation(built)
+    facts = gen / sealed.FACTS_NAME
+    assert facts.is_file() and not os.stat(facts).st_mode & 0o222, "facts.json is sealed read-only"
+    rows = manifest.read(gen / manifest.MANIFEST_NAME).by_path()
+    assert sealed.FACTS_NAME in rows and rows[sealed.FACTS_NAME].sha256 == manifest.hash_file(facts)
+    doc = json.loads(facts.read_text())
+    assert doc["capability"] == CAPABILITY and set(doc["facts"]) == set(sealed.STATIC_KEYS)
+    static, why = sealed.load_static(built.ml_env, CAPABILITY)
+    assert static is not None, why
+    assert "unchanged since it was sealed" in why
+    assert static["torch_version_py"]["version"] == "2.9.1+cu130"
+    # Paths recorded while the generation was being built are moved to the env being checked.
+    assert ".building-" not in json.dumps(static)
+
+
+@needs_py312
+def test_an_unchanged_generation_is_verified_from_its_recorded_facts(built):
+    facts = probe.collect(built.ml_env, CAPABILITY, runtime=False, imports=False)
+    assert facts["facts_source"]["static"] == "recorded", facts["facts_source"]
+    assert facts["env"]["torch_version_py"]["version"] == "2.9.1+cu130"
+    cold = probe.collect(built.ml_env, CAPABILITY, runtime=False, imports=False, cached=False)
+    assert cold["facts_source"]["static"] == "read"
+    for key in ("elf", "fatbin", "features"):
+        assert json.loads(json.dumps(cold[key])) == facts[key], f"recorded {key} differ from the files'"
+
+
+@needs_py312
+@pytest.mark.parametrize(
+    ("tamper", "why"),
+    [
+        (_append, "changed since it was sealed"),
+        (_replace, "changed since it was sealed"),
+        (_add_file, "changed since it was sealed"),
+        (_chmod, "changed since it was sealed"),
+    ],
+    ids=["bytes-appended", "file-replaced-same-mtime", "file-added", "mode-changed"],
+)
+def test_a_generation_changed_after_sealing_is_read_from_its_files(built, tamper, why):
+    gen = _generation(built)
+    new_version = tamper(gen)
+    static, reason = sealed.load_static(built.ml_env, CAPABILITY)
+    assert static is None and why in reason, reason
+    assert sealed.unchanged_generation(built.ml_env) is not None
+    facts = probe.collect(built.ml_env, CAPABILITY, runtime=False, imports=False)
+    assert facts["facts_source"]["static"] == "read"
+    assert why in facts["facts_source"]["why"]
+    if new_version:  # the fallback read the changed file, not the record
+        assert facts["env"]["torch_version_py"]["version"] == new_version
+
+
+@needs_py312
+def test_recorded_facts_are_not_used_for_another_capability_or_when_the_host_changed(built, monkeypatch):
+    static, why = sealed.load_static(built.ml_env, "9.0")
+    assert static is None and "capability" in why
+    sealed.host_fingerprint.cache_clear()
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/nonexistent-bwstack-test")
+    try:
+        static, why = sealed.load_static(built.ml_env, CAPABILITY)
+        assert static is None and "host" in why
+    finally:
+        sealed.host_fingerprint.cache_clear()
+
+
+@needs_py312
+def test_results_of_running_the_env_are_reused_only_while_their_key_holds(built):
+    key = sealed.derived_key(built.ml_env, "imports", ["gpu", None])
+    assert key is not None
+    sealed.save_derived(built.ml_env, key, {"torch": {"ok": True}})
+    assert sealed.load_derived(built.ml_env, key) == {"torch": {"ok": True}}
+    assert sealed.load_derived(built.ml_env, sealed.derived_key(built.ml_env, "imports", ["gpu", "580"])) is None
+    cache = built.root / "cache" / "verify-facts"
+    assert [p.name for p in cache.iterdir()] == [f"{_generation(built).name}.json"]
+    os.chmod(next(cache.iterdir()), 0o666)  # a cache others could write is not trusted
+    assert sealed.load_derived(built.ml_env, key) is None
+
+
+def test_a_plain_env_has_no_recorded_facts(tmp_path):
+    env = tmp_path / "env"
+    env.mkdir()
+    static, why = sealed.load_static(env, CAPABILITY)
+    assert static is None and "not a generation" in why
+    assert sealed.derived_key(env, "imports") is None
+
+
+def test_the_store_and_the_probe_name_the_facts_file_alike():
+    from bwstack.store.generations import FACTS
+
+    assert FACTS == sealed.FACTS_NAME
