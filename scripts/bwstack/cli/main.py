@@ -773,6 +773,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench)
 
     from bwstack.accept import command as accept
+    from bwstack.cli import system_packages
     from bwstack.fleet import playbooks
     from bwstack.image import build as image
     from bwstack.serveplan import cli as serveplan_cli
@@ -781,6 +782,7 @@ def build_parser() -> argparse.ArgumentParser:
     image.register(sub)
     accept.register(sub)
     serveplan_cli.register(sub)
+    system_packages.register(sub)
 
     p = sub.add_parser("verify", help="run the node checks (ABI, CUDA, SM120 kernels, features, GPU) on hosts")
     p.add_argument(

@@ -21,7 +21,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bwstack.probe import elfscan, envinspect, fatbin, features, waivers
+from bwstack.probe import elfscan, envinspect, fatbin, features, osrelease, waivers
 
 PROBE_VERSION = 1
 DRIVER_LIBS = {"libcuda.so.1", "libnvidia-ml.so.1"}
@@ -50,16 +50,13 @@ def default_env() -> Path:
 
 
 def host_facts() -> dict:
-    os_release = {}
-    try:
-        for line in Path("/etc/os-release").read_text().splitlines():
-            key, _, value = line.partition("=")
-            os_release[key] = value.strip('"')
-    except OSError:
-        pass
+    os_release = osrelease.read()
     return {
         "hostname": socket.gethostname(),
         "os": os_release.get("PRETTY_NAME", platform.platform()),
+        # what the lock's system_packages are chosen by (bwstack.lock.model.system_packages_for)
+        "os_id": os_release.get("ID"),
+        "os_version_id": os_release.get("VERSION_ID"),
         "glibc": platform.libc_ver()[1],
         "probe_python": platform.python_version(),
         "uid": os.geteuid(),
