@@ -226,6 +226,8 @@ def do_build(r: Runner) -> dict:
 
 
 def do_rollback(r: Runner) -> dict:
+    """The target is bwstack's to choose (bwstack.provision.build.rollback_target, through `bwstack rollback
+    [--check]`): this module never picks a generation itself, so check mode predicts what the run does."""
     p = r.p
     rows = r.generations()
     before = _active(rows)

@@ -15,6 +15,7 @@ import yaml
 from conftest import needs_py312
 
 from bwstack.store.generations import Layout, Store
+from fixtures import fakestack
 
 pytestmark = needs_py312
 
@@ -154,21 +155,7 @@ def test_the_kill_tests_cover_more_than_twenty_points():
 
 
 def _hand_made_env(stack) -> Path:
-    from bwstack.provision.envbuild import find_python
-    from bwstack.provision.uvtool import run_uv, uv_env
-
-    subprocess.run([find_python("3.12"), "-m", "venv", "--without-pip", str(stack.ml_env)], check=True)
-    old = [
-        p
-        for p in stack.wheelhouse.iterdir()
-        if p.name.startswith(("torch-2.9.1-", "fixture_dep-1.0", "fixture_shared"))
-    ]
-    result = run_uv(
-        ["pip", "install", "--python", str(stack.ml_env / "bin" / "python"), "--no-deps", *map(str, old)],
-        env=uv_env(), capture=True,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    return stack.ml_env
+    return fakestack.hand_made_env(stack.ml_env, stack.wheelhouse)
 
 
 def test_adopting_a_hand_made_env_makes_it_generation_0_without_copying(stack):

@@ -276,8 +276,8 @@ def plan_rollback(
 ) -> dict:
     """What `rollback` would do, changing nothing (the Ansible module's check mode asks this)."""
     store = Store(layout)
-    active = store.active()
-    target = _rollback_target(store, active, to, profile_name)
+    active = store.active_or_none()  # as the rollback itself: a broken `current` is what it repairs
+    target = rollback_target(store, active, to=to, profile_name=profile_name)
     name = profile_name or lock.rollback_profile
     if target is None:
         if not rebuild:
@@ -309,7 +309,7 @@ def rollback(
         if problem:
             log(f"warning: {problem}; rolling back repairs it")
         active = store.active_or_none()
-        target = _rollback_target(store, active, to, profile_name)
+        target = rollback_target(store, active, to=to, profile_name=profile_name)
         if target is None:
             name = profile_name or lock.rollback_profile
             if not rebuild:
@@ -331,12 +331,23 @@ def rollback(
         }
 
 
-def _rollback_target(store: Store, active: Generation | None, to: str | None, profile_name: str | None):
+def rollback_target(
+    store: Store, active: Generation | None, *, to: str | None = None, profile_name: str | None = None
+) -> Generation | None:
+    """The one rule for which generation a rollback switches to (`rollback`, `rollback --check` and so the
+    Ansible module, which runs those, all come here); None when there is none.
+
+    - `to`: that generation (by id, 4-digit id or name; a damaged or unknown one is an error);
+    - `profile_name`: the newest usable generation, other than the active one, built from that profile or
+      adopted as nearest to it (a hand-made env adopted as generation 0 counts for its nearest profile);
+    - neither: the generation the newest switch came from, other than the active one and still usable; with no
+      such switch in the history, the newest usable generation other than the active one.
+    """
     if to is not None:
         return store.get(to)
     gens = [g for g in store.usable() if active is None or g.name != active.name]
     if profile_name is not None:
-        matching = [g for g in gens if g.profile == profile_name or g.record.get("nearest_profile") == profile_name]
+        matching = [g for g in gens if profile_name in (g.profile, g.record.get("nearest_profile"))]
         return matching[-1] if matching else None
     for entry in reversed(store.history()):
         if entry.get("from") and (active is None or entry["from"] != active.name):
