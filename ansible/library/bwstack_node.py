@@ -59,31 +59,39 @@ options:
     description: For cuda, the install prefix (empty for the profile's cuda.home).
     type: str
     default: ""
-  wheelhouse:
-    description: Directories of wheels on the node, used before any index.
-    type: list
-    elements: str
-    default: []
-  index:
+  sources:
     description:
-      - NAME=URL mirrors for the lock's indexes.
-      - Treated as secret (URLs may carry credentials) - never shown in Ansible's output or logs.
-    type: list
-    elements: str
-    default: []
-  offline:
-    description: Use only the wheelhouses and the node's wheel store.
-    type: bool
-    default: false
-  ca_bundle:
-    description: CA bundle for TLS (TLS is always verified).
-    type: str
-    default: ""
-  allow_unhashed:
-    description: Packages that may be installed although the lock has no sha256 for them.
-    type: list
-    elements: str
-    default: []
+      - bwstack's source options, handed to it unchanged (each NAME becomes C(--NAME), underscores as dashes; a
+        list repeats the option, true adds the flag, an empty value adds nothing). The roles pass the bwstack
+        role's C(bwstack_sources).
+    type: dict
+    default: {}
+    suboptions:
+      wheelhouse:
+        description: Directories of wheels on the node, used before any index.
+        type: list
+        elements: str
+        default: []
+      index:
+        description:
+          - NAME=URL mirrors for the lock's indexes.
+          - Treated as secret (URLs may carry credentials) - never shown in Ansible's output or logs.
+        type: list
+        elements: str
+        default: []
+      offline:
+        description: Use only the wheelhouses and the node's wheel store.
+        type: bool
+        default: false
+      ca_bundle:
+        description: CA bundle for TLS (TLS is always verified).
+        type: str
+        default: ""
+      allow_unhashed:
+        description: Packages that may be installed although the lock has no sha256 for them.
+        type: list
+        elements: str
+        default: []
 """
 
 RETURN = r"""
@@ -126,17 +134,18 @@ def _store_args(p: dict) -> list[str]:
 
 
 def _source_args(p: dict) -> list[str]:
+    """The `sources` option as bwstack's own options, unchanged: NAME -> --NAME (a list repeats it, true is the
+    bare flag, an empty value is left out)."""
     args: list[str] = []
-    for item in p["wheelhouse"]:
-        args += ["--wheelhouse", item]
-    for item in p["index"]:
-        args += ["--index", item]
-    if p["offline"]:
-        args.append("--offline")
-    if p["ca_bundle"]:
-        args += ["--ca-bundle", p["ca_bundle"]]
-    for item in p["allow_unhashed"]:
-        args += ["--allow-unhashed", item]
+    for name, value in (p["sources"] or {}).items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            args += [flag] if value else []
+        elif isinstance(value, list):
+            for item in value:
+                args += [flag, item]
+        elif value:
+            args += [flag, value]
     return args
 
 
@@ -157,12 +166,23 @@ def secrets_of(index: list[str]) -> set[str]:
     return out
 
 
+# bwstack's source options (`bwstack build|rollback|cuda install --help`), declared once on the Ansible side here
+# and in the bwstack role's argument specs; _source_args passes them on by name.
+SOURCE_OPTIONS = {
+    "wheelhouse": {"type": "list", "elements": "str", "default": []},
+    "index": {"type": "list", "elements": "str", "default": [], "no_log": True},
+    "offline": {"type": "bool", "default": False},
+    "ca_bundle": {"type": "str", "default": ""},
+    "allow_unhashed": {"type": "list", "elements": "str", "default": []},
+}
+
+
 class Runner:
     def __init__(self, module: AnsibleModule) -> None:
         self.module = module
         self.p = module.params
         self.base = [self.p["bwstack"], "--lock", self.p["lock"]]
-        module.no_log_values.update(secrets_of(self.p["index"]))
+        module.no_log_values.update(secrets_of((self.p["sources"] or {}).get("index") or []))
 
     def run(self, *args: str, ok_codes: tuple[int, ...] = (0,)) -> tuple[int, dict, str]:
         cmd = [*self.base, *args]
@@ -313,11 +333,7 @@ def main() -> None:
             "ml_env": {"type": "path", "required": True},
             "cuda_link": {"type": "str", "required": True},
             "prefix": {"type": "str", "default": ""},
-            "wheelhouse": {"type": "list", "elements": "str", "default": []},
-            "index": {"type": "list", "elements": "str", "default": [], "no_log": True},
-            "offline": {"type": "bool", "default": False},
-            "ca_bundle": {"type": "str", "default": ""},
-            "allow_unhashed": {"type": "list", "elements": "str", "default": []},
+            "sources": {"type": "dict", "default": {}, "options": SOURCE_OPTIONS},
         },
         supports_check_mode=True,
     )

@@ -74,8 +74,7 @@ def _module(s, check: bool, **params) -> dict:
         "root": str(s.root),
         "ml_env": str(s.ml_env),
         "cuda_link": str(s.cuda_link),
-        "wheelhouse": [str(s.wheelhouse)],
-        "offline": True,
+        "sources": {"wheelhouse": [str(s.wheelhouse)], "offline": True},
         **params,
         "_ansible_check_mode": check,
     }

@@ -108,8 +108,8 @@ def test_the_mlenv_role_installs_what_the_cli_picks(tmp_path, lock, case, text, 
     play.write_text(SYSTEM_PACKAGES_PLAY)
     variables = {
         "bwstack_mlenv_os_release": str(path),
-        "bwstack_mlenv_lock": str(REAL_LOCK),
-        "bwstack_mlenv_controller_bwstack": [sys.executable, "-m", "bwstack"],
+        "bwstack_lock": str(REAL_LOCK),
+        "bwstack_controller_bwstack": [sys.executable, "-m", "bwstack"],
     }
     got = playbook(str(play), local_inventory(tmp_path / "hosts.yml"), variables).ok()
     line = next(line for line in got.out.splitlines() if '"msg": "ANSWER ' in line)

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from bwstack import __version__
+from bwstack import __version__, paths
 from bwstack.cli import options as cliargs
 from bwstack.errors import BwstackError, UsageError
 from bwstack.lock.model import Lock, default_lock_path, load_lock
@@ -623,13 +623,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="what provisioning would change in an env (missing, extra, version, hash)")
     p.add_argument("--profile")
     p.add_argument("--env", help="the env to compare (default: the active ml-env)")
-    p.add_argument("--root", help="bwstack's store (default: /opt/bwstack as root, else ~/.local/share/bwstack)")
+    p.add_argument("--root", help=f"bwstack's store (default: {paths.DEFAULT_ROOT} as root, else ~/{paths.USER_ROOT})")
     p.add_argument("--ml-env")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
 
     node = argparse.ArgumentParser(add_help=False)
-    node.add_argument("--root", help="bwstack's store (default: /opt/bwstack as root, else ~/.local/share/bwstack)")
+    node.add_argument(
+        "--root", help=f"bwstack's store (default: {paths.DEFAULT_ROOT} as root, else ~/{paths.USER_ROOT})"
+    )
     node.add_argument("--ml-env", help="the env path users run (default: /opt/ml-env as root, else ~/ml-env)")
     node.add_argument(
         "--cuda-link",

@@ -501,7 +501,7 @@ def _add_playbook_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_store_and_sources(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--root", help="bwstack's store on the targets (default /opt/bwstack)")
+    p.add_argument("--root", help=f"bwstack's store on the targets (default {paths.DEFAULT_ROOT})")
     p.add_argument("--ml-env", help="the env path users run on the targets (default /opt/ml-env)")
     p.add_argument("--cuda-link", help="the /usr/local/cuda-style link on the targets ('none' to leave it)")
     p.add_argument("--wheelhouse", action="append", help="directory of wheels on the targets, used first (repeatable)")

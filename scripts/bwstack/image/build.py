@@ -1124,7 +1124,9 @@ def _build_flags(p: argparse.ArgumentParser) -> None:
         help="port of the build's file server on the Docker bridge (default: any free port; the address "
         "reaches the build outside the layer cache key, so any port keeps the cache)",
     )
-    p.add_argument("--store", help="wheel store for downloads (default: bwstack's, e.g. /opt/bwstack/cache/wheels)")
+    p.add_argument(
+        "--store", help=f"wheel store for downloads (default: bwstack's, e.g. {paths.DEFAULT_ROOT}/cache/wheels)"
+    )
     p.add_argument("--quiet", action="store_true", help="do not stream the build's output")
     p.add_argument("--json", action="store_true")
 

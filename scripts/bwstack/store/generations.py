@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+from bwstack import paths
 from bwstack.errors import BwstackError, IntegrityError, UsageError
 from bwstack.fsutil import atomic_symlink, atomic_write_text, fsync_dir
 from bwstack.probe import envinspect
@@ -94,7 +95,7 @@ class Layout:
         is_root = os.geteuid() == 0
         home = Path.home()
         root_value = _setting(root, "BWSTACK_ROOT")
-        root_path = Path(root_value or ("/opt/bwstack" if is_root else home / ".local/share/bwstack"))
+        root_path = Path(root_value or (paths.DEFAULT_ROOT if is_root else home / paths.USER_ROOT))
         ml = Path(_setting(ml_env, "BWSTACK_ML_ENV") or ("/opt/ml-env" if is_root else home / "ml-env"))
         link_value = _setting(cuda_link, "BWSTACK_CUDA_LINK")
         if link_value is None:

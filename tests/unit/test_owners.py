@@ -1,0 +1,77 @@
+"""Decisions and defaults written once (issue 12): each has one owner, which the others call or read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+import bwstack
+
+REPO = Path(__file__).resolve().parents[2]
+ROLES = REPO / "ansible" / "roles"
+PACKAGE = Path(bwstack.__file__).parent
+SOURCE_OPTIONS = ("wheelhouse", "index", "offline", "ca_bundle", "allow_unhashed")
+
+
+def _role_files(pattern: str) -> list[Path]:
+    return sorted(ROLES.glob(pattern))
+
+
+def test_the_store_default_is_written_once_in_python_and_once_in_ansible():
+    python = [p for p in PACKAGE.rglob("*.py") if "/opt/bwstack" in p.read_text(encoding="utf-8")]
+    assert python == [PACKAGE / "paths.py"]
+    yml = [p for p in ROLES.rglob("*.yml") if "/opt/bwstack" in p.read_text()]
+    assert sorted(p.relative_to(ROLES).parts[0] for p in yml) == ["bwstack", "bwstack"]  # defaults + its spec
+
+
+def test_the_shared_settings_are_declared_only_by_the_bwstack_role_which_every_role_depends_on():
+    shared = set(yaml.safe_load((ROLES / "bwstack" / "defaults" / "main.yml").read_text()))
+    for role in (p for p in ROLES.iterdir() if p.is_dir() and p.name != "bwstack"):
+        declared = set(yaml.safe_load((role / "defaults" / "main.yml").read_text()) or {})
+        specs = yaml.safe_load((role / "meta" / "argument_specs.yml").read_text())["argument_specs"]
+        documented = {name for entry in specs.values() for name in entry.get("options") or {}}
+        assert not (declared | documented) & shared, (
+            f"{role.name} re-declares {sorted((declared | documented) & shared)}"
+        )
+        # no per-role copy of a source option either (bwstack_tool_offline is another setting: pip's, for
+        # bwstack's own dependencies, and defaults to bwstack_offline)
+        for name in (declared | documented) - {"bwstack_tool_offline"}:
+            assert not name.endswith(tuple(f"_{option}" for option in SOURCE_OPTIONS[1:])), f"{role.name}: {name}"
+        deps = yaml.safe_load((role / "meta" / "main.yml").read_text())["dependencies"]
+        assert {"role": "bwstack"} in deps, role.name
+
+
+def test_controller_facts_are_read_by_one_task_file():
+    callers = [p for p in ROLES.rglob("tasks/*.yml") if "controller-facts" in p.read_text()]
+    assert callers == [ROLES / "bwstack" / "tasks" / "controller_facts.yml"]
+    importers = sorted(
+        p.relative_to(ROLES).parts[0]
+        for p in ROLES.rglob("tasks/*.yml")
+        if "tasks_from: controller_facts.yml" in p.read_text()
+    )
+    assert importers == ["bwstack_cuda", "bwstack_preflight", "bwstack_tool"]
+
+
+def test_the_module_gets_the_source_options_as_one_value_and_passes_them_on_by_name():
+    for path in ROLES.rglob("tasks/*.yml"):
+        for task in yaml.safe_load(path.read_text()) or []:
+            call = task.get("bwstack_node") if isinstance(task, dict) else None
+            if call:
+                assert call["sources"] == "{{ bwstack_sources }}", path
+                assert not set(call) & set(SOURCE_OPTIONS), path
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bwstack_node", REPO / "ansible" / "library" / "bwstack_node.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    got = module._source_args(
+        {"sources": {"wheelhouse": ["/a", "/b"], "index": ["pypi=https://m/simple"], "offline": True,
+                     "ca_bundle": "/ca.pem", "allow_unhashed": ["torchaudio"]}}
+    )  # fmt: skip
+    assert got == ["--wheelhouse", "/a", "--wheelhouse", "/b", "--index", "pypi=https://m/simple", "--offline",
+                   "--ca-bundle", "/ca.pem", "--allow-unhashed", "torchaudio"]  # fmt: skip
+    assert module._source_args({"sources": {"offline": False, "ca_bundle": "", "wheelhouse": []}}) == []
+    assert set(module.SOURCE_OPTIONS) == set(SOURCE_OPTIONS)
+    role_spec = yaml.safe_load((ROLES / "bwstack" / "meta" / "argument_specs.yml").read_text())
+    assert {f"bwstack_{o}" for o in SOURCE_OPTIONS} <= set(role_spec["argument_specs"]["main"]["options"])
