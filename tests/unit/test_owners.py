@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 import bwstack
@@ -75,3 +77,53 @@ def test_the_module_gets_the_source_options_as_one_value_and_passes_them_on_by_n
     assert set(module.SOURCE_OPTIONS) == set(SOURCE_OPTIONS)
     role_spec = yaml.safe_load((ROLES / "bwstack" / "meta" / "argument_specs.yml").read_text())
     assert {f"bwstack_{o}" for o in SOURCE_OPTIONS} <= set(role_spec["argument_specs"]["main"]["options"])
+
+
+# ------------------------------------------------------------------------------------------------ the record
+
+
+RECORDS = [
+    {"id": 3, "profile": "cu130", "nearest_profile": None, "lock_digest": "sha256:ab",
+     "cuda_home": "/usr/local/cuda-13.0", "verification": {"status": "passed", "checks": []}},
+    {"id": 0, "profile": None, "nearest_profile": "cu128", "origin": "adopted:/opt/ml-env",
+     "verification": {"status": "not-run", "why": "adopted as found"}},
+    {"id": 1, "profile": None, "nearest_profile": None},
+]  # fmt: skip
+
+
+def test_the_probe_reads_only_fields_the_record_defines_and_agrees_on_the_profile(tmp_path):
+    from typing import get_type_hints
+
+    from bwstack.probe import generation
+    from bwstack.store.record import GenerationRecord, RecordJSON
+
+    assert set(generation.FIELDS) <= set(get_type_hints(RecordJSON))
+    for data in RECORDS:
+        gen_dir = tmp_path / f"{data['id']:04d}-x"
+        gen_dir.mkdir()
+        (gen_dir / generation.RECORD).write_text(json.dumps(data))
+        record = GenerationRecord.from_json(data, expected_id=data["id"])
+        facts = generation.read(gen_dir)
+        assert facts.profile_like == record.profile_like
+        assert facts.verification == record.verification_status
+        assert generation.GenerationFacts.from_facts(json.loads(json.dumps(facts.as_dict()))) == facts
+
+
+def test_a_record_is_validated_on_read_and_written_back_unchanged():
+    from bwstack.store.record import GenerationRecord, RecordError
+
+    for data in RECORDS:
+        record = GenerationRecord.from_json(data)
+        written = record.to_json()
+        assert {k: v for k, v in written.items() if v not in (None, [], {})} == {
+            k: v for k, v in data.items() if v not in (None, [], {})
+        }
+        assert GenerationRecord.from_json(json.loads(json.dumps(written))) == record
+    newer = {"id": 2, "profile": "cu130", "something_new": {"kept": True}}
+    assert GenerationRecord.from_json(newer).to_json()["something_new"] == {"kept": True}
+    for bad, why in [({"id": "2"}, "`id` is not an integer"), ({"id": 2, "torch": []}, "`torch` is not an object"),
+                     ({"id": 2, "profile": 7}, "`profile` is not a string"), ([], "not a JSON object")]:  # fmt: skip
+        with pytest.raises(RecordError, match=why):
+            GenerationRecord.from_json(bad)
+    with pytest.raises(RecordError, match="does not match the directory name"):
+        GenerationRecord.from_json({"id": 2}, expected_id=3)

@@ -251,9 +251,9 @@ def cmd_generations(args: argparse.Namespace) -> int:
         row = {
             "id": gen.id,
             "name": gen.name,
-            "profile": gen.profile or f"(adopted, like {gen.record.get('nearest_profile')})",
-            "created": gen.record.get("created"),
-            "size_bytes": gen.record.get("size_bytes"),
+            "profile": gen.profile or f"(adopted, like {gen.record.nearest_profile})",
+            "created": gen.record.created,
+            "size_bytes": gen.record.size_bytes,
             "active": active is not None and gen.name == active.name,
             "path": str(gen.path),
         }
@@ -261,7 +261,7 @@ def cmd_generations(args: argparse.Namespace) -> int:
             row.update({"state": "damaged", "why": damaged, "verified": None, "integrity": f"damaged: {damaged}"})
         else:
             problems = gen.verify(args.verify if args.check else "quick")
-            verification = gen.record.get("verification", {}).get("status")
+            verification = gen.record.verification_status
             if problems:
                 more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
                 why = f"{problems[0]}{more}"

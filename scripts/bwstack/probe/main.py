@@ -21,7 +21,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bwstack.probe import elfscan, envinspect, fatbin, features, osrelease, waivers
+from bwstack.probe import elfscan, envinspect, fatbin, features, generation, osrelease, waivers
 
 PROBE_VERSION = 1
 DRIVER_LIBS = {"libcuda.so.1", "libnvidia-ml.so.1"}
@@ -116,17 +116,9 @@ def env_facts(env: Path) -> dict:
         name: {"version": d.version, "requires": _requires(d), "installer": d.installer}
         for name, d in envinspect.installed(env).items()
     }
-    record = real.parent / "record.json"
-    if record.is_file():
-        data = json.loads(record.read_text())
-        facts["generation"] = {
-            "name": real.parent.name,
-            "profile": data.get("profile"),
-            "nearest_profile": data.get("nearest_profile"),
-            "lock_digest": data.get("lock_digest"),
-            "cuda_home": data.get("cuda_home"),
-            "verification": data.get("verification", {}).get("status"),
-        }
+    gen = generation.read(real.parent)
+    if gen is not None:
+        facts["generation"] = gen.as_dict()
     facts["torch_version_py"] = _torch_version_py(sp)
     facts["store"] = store_facts(env)
     return facts

@@ -40,6 +40,7 @@ from bwstack.store.generations import (
     take_ownership,
     write_hook,
 )
+from bwstack.store.record import GenerationRecord
 
 # ------------------------------------------------------------------------------------------------ adopt
 
@@ -142,22 +143,22 @@ def adopt(store: Store, lock: Lock, log=print) -> Generation:
     # The manifest describes the generation as it will be once the env is swapped in.
     entries = [e for e in manifest.build(building, skip_top=(MANIFEST, RECORD)) if e.path != "env"]
     entries += _prefixed(manifest.build(src, skip_top=()), "env")
-    record = {
-        "id": gen_id,
-        "profile": exact,
-        "nearest_profile": nearest,
-        "created": now_iso(),
-        "origin": f"adopted:{src}",
-        "lock_digest": lock.profiles[exact].lock_digest() if exact else None,
-        "python": envinspect.env_python_version(src),
-        "cuda_home": cuda_home,
-        "patches": [],
-        "packages": {n: {"version": d.version} for n, d in installed.items()},
-        "torch": _torch_record(src) if facts.get("torch") else {},
-        "verification": {"status": "not-run", "at": now_iso(), "why": "adopted as found"},
-    }
-    meta = {"packages": record["packages"], "python": record["python"], "cuda_home": cuda_home,
-            "lock_digest": record["lock_digest"], "created": record["created"]}  # fmt: skip
+    record = GenerationRecord(
+        id=gen_id,
+        profile=exact,
+        nearest_profile=nearest,
+        created=now_iso(),
+        origin=f"adopted:{src}",
+        lock_digest=lock.profiles[exact].lock_digest() if exact else None,
+        python=envinspect.env_python_version(src),
+        cuda_home=cuda_home,
+        packages={n: {"version": d.version} for n, d in installed.items()},
+        torch=_torch_record(src) if facts.get("torch") else {},
+        verification={"status": "not-run", "at": now_iso(), "why": "adopted as found"},
+    )
+    json_record = record.to_json()
+    meta = {"packages": json_record["packages"], "python": record.python, "cuda_home": cuda_home,
+            "lock_digest": record.lock_digest, "created": record.created}  # fmt: skip
     os.symlink(str(layout.current / "env"), building / "env")  # placeholder, swapped with the real dir below
     gen = store.commit(building, record, meta, entries, link_objects=False)
     checkpoint("adopt-before-current")
@@ -166,7 +167,7 @@ def adopt(store: Store, lock: Lock, log=print) -> Generation:
     _swap_in(src, gen.env, log)
     store.ensure_links()
     store.index_files(gen)
-    log(f"adopted {src} as generation {name} ({gen.record['size_bytes'] >> 20} MiB, nothing copied)")
+    log(f"adopted {src} as generation {name} ({(gen.record.size_bytes or 0) >> 20} MiB, nothing copied)")
     return gen
 
 
@@ -187,8 +188,9 @@ def _swap_in(real_dir: Path, placeholder: Path, log) -> None:
 def finish_interrupted_adoption(store: Store, log=print) -> None:
     """A kill between committing an adopted generation and swapping the directory in: finish the swap."""
     for gen in store.usable():
-        if gen.env.is_symlink() and str(gen.record.get("origin", "")).startswith("adopted:"):
-            src = Path(gen.record["origin"].split(":", 1)[1])
+        adopted_from = gen.record.adopted_from
+        if gen.env.is_symlink() and adopted_from is not None:
+            src = Path(adopted_from)
             if src.is_dir() and not src.is_symlink():
                 log(f"finishing the interrupted adoption of {src} as {gen.name}")
                 if store.active_or_none() is None or store.active_or_none().name != gen.name:
@@ -284,17 +286,16 @@ def _snapshot(store: Store, active: Generation, problems: list[manifest.Problem]
         final_building = building.with_name(f"{BUILDING_PREFIX}{name}")
         os.rename(building, final_building)
         building = final_building
-        record = {
-            **active.record,
-            "id": gen_id,
-            "created": now_iso(),
-            "origin": f"snapshot-of:{active.name}",
-            "packages": {n: {"version": d.version} for n, d in envinspect.installed(building / "env").items()},
-            "verification": {"status": "not-run", "at": now_iso(), "why": f"snapshot of a modified {active.name}"},
-            "drift": [str(p) for p in problems[:50]],
-        }
+        record = active.record.replace(
+            id=gen_id,
+            created=now_iso(),
+            origin=f"snapshot-of:{active.name}",
+            packages={n: {"version": d.version} for n, d in envinspect.installed(building / "env").items()},
+            verification={"status": "not-run", "at": now_iso(), "why": f"snapshot of a modified {active.name}"},
+            drift=tuple(str(p) for p in problems[:50]),
+        )
         meta = {k: v for k, v in active.manifest.meta.items() if k != "generation"}
-        meta.update({"created": record["created"], "packages": record["packages"]})
+        meta.update({"created": record.created, "packages": record.to_json()["packages"]})
         return store.commit(building, record, meta, entries)
     except BaseException:
         remove_tree(building)

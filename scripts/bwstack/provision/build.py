@@ -34,6 +34,7 @@ from bwstack.store.generations import (
     remove_tree,
     write_hook,
 )
+from bwstack.store.record import GenerationRecord
 from bwstack.store.runlock import RunLock
 
 GIB = 1 << 30
@@ -64,7 +65,7 @@ def closure_digest(profile: Profile) -> str:
 def find_built(store: Store, profile: Profile, digest: str) -> Generation | None:
     """The newest verified generation built from exactly this closure whose files still verify."""
     for gen in reversed(store.generations()):
-        same = gen.profile == profile.name and gen.record.get("closure_digest") == digest
+        same = gen.profile == profile.name and gen.record.closure_digest == digest
         if same and gen.verified and not gen.verify("quick"):
             return gen
     return None
@@ -216,35 +217,35 @@ def _build_generation(
             failed = [c for c in verification["checks"] if not c["ok"]]
             raise BwstackError(f"the new {profile.name} env failed verification, not committed: {failed}")
         checkpoint("after-verify")
-        record = {
-            "id": int(name.split("-", 1)[0]),
-            "profile": profile.name,
-            "created": now_iso(),
-            "origin": "built",
-            "lock_digest": profile.lock_digest(),
-            "closure_digest": digest,
-            "python": envinspect.env_python_version(env),
-            "python_executable": python,
-            "cuda_home": profile.cuda.home,
-            "cuda_version": profile.cuda.version,
-            "patches": [_as_dict(a) for a in applied],
-            "torch": torch,
-            "packages": {n: w.as_dict() for n, w in sorted(wheels.items())},
-            "verification": verification,
-        }
-        meta = {
-            "lock_digest": record["lock_digest"],
-            "python": record["python"],
-            "cuda_home": record["cuda_home"],
-            "created": record["created"],
-            "packages": record["packages"],
-        }
+        record = GenerationRecord(
+            id=int(name.split("-", 1)[0]),
+            profile=profile.name,
+            created=now_iso(),
+            origin="built",
+            lock_digest=profile.lock_digest(),
+            closure_digest=digest,
+            python=envinspect.env_python_version(env),
+            python_executable=python,
+            cuda_home=profile.cuda.home,
+            cuda_version=profile.cuda.version,
+            patches=tuple(_as_dict(a) for a in applied),
+            torch=torch,
+            packages={n: w.as_dict() for n, w in sorted(wheels.items())},
+            verification=verification,
+        )
+        meta = _manifest_meta(record)
         gen = store.commit(building, record, meta, entries)
         checkpoint("after-commit")
         return gen
     except BaseException:
         remove_tree(building)
         raise
+
+
+def _manifest_meta(record: GenerationRecord) -> dict:
+    """What the manifest repeats of the record (an archive's manifest stands on its own)."""
+    data = record.to_json()
+    return {key: data.get(key) for key in ("lock_digest", "python", "cuda_home", "created", "packages")}
 
 
 def _as_dict(item) -> dict:
@@ -347,7 +348,7 @@ def rollback_target(
         return store.get(to)
     gens = [g for g in store.usable() if active is None or g.name != active.name]
     if profile_name is not None:
-        matching = [g for g in gens if profile_name in (g.profile, g.record.get("nearest_profile"))]
+        matching = [g for g in gens if g.record.counts_for(profile_name)]
         return matching[-1] if matching else None
     for entry in reversed(store.history()):
         if entry.get("from") and (active is None or entry["from"] != active.name):
