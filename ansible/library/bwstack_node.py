@@ -14,7 +14,8 @@ module: bwstack_node
 short_description: Build, roll back or install a CUDA toolkit with the bwstack CLI on a node
 description:
   - Runs C(bwstack build), C(bwstack rollback) or C(bwstack cuda install) on the node and reports
-    C(changed) from bwstack's JSON.
+    C(changed) from bwstack's JSON. C(status) changes nothing and returns the active generation (C(active),
+    from C(bwstack generations --json); null where there is none or bwstack is not installed yet).
   - In check mode it runs C(bwstack build --check) or C(bwstack cuda status) and changes nothing.
   - With C(--diff) it shows the active generation before and after, and the planned actions.
 options:
@@ -30,7 +31,7 @@ options:
     description: What to do.
     type: str
     required: true
-    choices: [build, rollback, cuda]
+    choices: [build, rollback, cuda, status]
   profile:
     description: The lock's profile (empty for its default; for rollback, the newest generation of it).
     type: str
@@ -103,6 +104,10 @@ active_before:
   description: The active generation before the run (null when none).
   type: str
   returned: always
+active:
+  description: For status, the active generation's name (null when none).
+  type: str
+  returned: action is status
 switched:
   description: Whether the active generation changed (services that run from the ml-env need a restart).
   type: bool
@@ -282,6 +287,12 @@ def do_rollback(r: Runner) -> dict:
     }
 
 
+def do_status(r: Runner) -> dict:
+    active = _active(r.generations())
+    return {"changed": False, "switched": False, "active": active, "active_before": active,
+            "msg": f"{r.p['ml_env']}: {active or 'no active generation'}"}  # fmt: skip
+
+
 def do_cuda(r: Runner) -> dict:
     p = r.p
     prefix = ["--prefix", p["prefix"]] if p["prefix"] else []
@@ -325,7 +336,7 @@ def main() -> None:
         argument_spec={
             "bwstack": {"type": "path", "required": True},
             "lock": {"type": "path", "required": True},
-            "action": {"type": "str", "required": True, "choices": ["build", "rollback", "cuda"]},
+            "action": {"type": "str", "required": True, "choices": ["build", "rollback", "cuda", "status"]},
             "profile": {"type": "str", "default": ""},
             "to": {"type": "str", "default": ""},
             "rebuild": {"type": "bool", "default": False},
@@ -339,6 +350,10 @@ def main() -> None:
     )
     runner = Runner(module)
     if not os.access(module.params["bwstack"], os.X_OK):
+        if module.params["action"] == "status":
+            module.exit_json(
+                changed=False, switched=False, active=None, active_before=None, msg="bwstack: not installed"
+            )
         if module.check_mode:
             module.exit_json(
                 changed=True,
@@ -357,7 +372,8 @@ def main() -> None:
             "run the bwstack_tool role (provision.yml) first",
             active_before=None,
         )
-    result = {"build": do_build, "rollback": do_rollback, "cuda": do_cuda}[module.params["action"]](runner)
+    actions = {"build": do_build, "rollback": do_rollback, "cuda": do_cuda, "status": do_status}
+    result = actions[module.params["action"]](runner)
     module.exit_json(**result)
 
 

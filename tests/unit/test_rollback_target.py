@@ -103,6 +103,9 @@ def test_the_module_and_the_cli_pick_the_same_rollback_target(stack, case, steps
     chosen = rollback_target(store, active, to=params.get("to"), profile_name=params.get("profile"))
     assert (chosen.id if chosen else None) == want, case
 
+    status = _module(stack, True, action="status")  # what the mlenv role remembers as the generation to go back to
+    assert status["active"] == (active.name if active else None) and not status["changed"]
+
     cli = _cli_check(stack, **params)
     checked = _module(stack, True, **params)
     if want is None:
