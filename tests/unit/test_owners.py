@@ -59,7 +59,7 @@ def test_the_module_gets_the_source_options_as_one_value_and_passes_them_on_by_n
     for path in ROLES.rglob("tasks/*.yml"):
         for task in yaml.safe_load(path.read_text()) or []:
             call = task.get("bwstack_node") if isinstance(task, dict) else None
-            if call:
+            if call and call["action"] != "status":  # status fetches nothing
                 assert call["sources"] == "{{ bwstack_sources }}", path
                 assert not set(call) & set(SOURCE_OPTIONS), path
     import importlib.util
