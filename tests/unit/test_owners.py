@@ -127,3 +127,22 @@ def test_a_record_is_validated_on_read_and_written_back_unchanged():
             GenerationRecord.from_json(bad)
     with pytest.raises(RecordError, match="does not match the directory name"):
         GenerationRecord.from_json({"id": 2}, expected_id=3)
+
+
+def test_the_profile_a_role_works_on_is_resolved_by_bwstack_never_in_jinja():
+    import subprocess
+    import sys
+
+    def facts(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "bwstack", "--lock", str(REPO / "stack.lock.yaml"), "controller-facts", *args],
+            capture_output=True, text=True,
+        )  # fmt: skip
+
+    default = json.loads(facts().stdout)
+    assert default["profile"] == default["default_profile"]
+    assert json.loads(facts("--profile", "cu128").stdout)["profile"] == "cu128"
+    unknown = facts("--profile", "cu999")
+    assert unknown.returncode == 2 and unknown.stderr.count("\n") == 1 and "unknown profile 'cu999'" in unknown.stderr
+    for path in ROLES.rglob("tasks/*.yml"):
+        assert "default_profile" not in path.read_text(), path

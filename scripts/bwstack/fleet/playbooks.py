@@ -180,7 +180,9 @@ def build_wheel(directory: Path) -> dict:
     return result
 
 
-def controller_facts(lock, probe_dir: str | None, wheel_dir: str | None, wheel: str | None) -> dict:
+def controller_facts(
+    lock, probe_dir: str | None, wheel_dir: str | None, wheel: str | None, profile_name: str | None = None
+) -> dict:
     from bwstack.probe import preflight
 
     profiles = {}
@@ -202,6 +204,9 @@ def controller_facts(lock, probe_dir: str | None, wheel_dir: str | None, wheel: 
     facts: dict = {
         "lock": str(Path(lock.path).resolve()),
         "default_profile": lock.default_profile,
+        # the profile a role works on: the one it names, else the lock's default (bwstack resolves it, and
+        # refuses an unknown one; the roles never pick)
+        "profile": lock.profile(profile_name).name,
         "rollback_profile": lock.rollback_profile,
         "system_packages": {os_id: list(pkgs) for os_id, pkgs in lock.system_packages.items()},
         "profiles": profiles,
@@ -221,7 +226,7 @@ def controller_facts(lock, probe_dir: str | None, wheel_dir: str | None, wheel: 
 def cmd_controller_facts(args: argparse.Namespace) -> int:
     from bwstack.lock.model import load_lock
 
-    facts = controller_facts(load_lock(args.lock), args.probe_dir, args.wheel_dir, args.wheel)
+    facts = controller_facts(load_lock(args.lock), args.probe_dir, args.wheel_dir, args.wheel, args.profile)
     json.dump(facts, sys.stdout, indent=2)
     sys.stdout.write("\n")
     return 0
@@ -491,6 +496,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--probe-dir", help="also write the probe zipapp into this directory")
     p.add_argument("--wheel-dir", help="also build bwstack's wheel (pip wheel --no-deps) into this directory")
     p.add_argument("--wheel", help="use this bwstack wheel instead of building one")
+    p.add_argument("--profile", help="the profile to resolve as `profile` (default: the lock's default_profile)")
     p.set_defaults(func=cmd_controller_facts)
 
 
