@@ -53,7 +53,7 @@ options:
     type: path
     required: true
   cuda_link:
-    description: The /usr/local/cuda-style link the switch keeps on the active toolkit (C(none) to leave it).
+    description: The /usr/local/cuda-style link the switch keeps on the active toolkit (C(none) or empty to leave it).
     type: str
     required: true
   prefix:
