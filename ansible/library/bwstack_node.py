@@ -14,7 +14,8 @@ module: bwstack_node
 short_description: Build, roll back or install a CUDA toolkit with the bwstack CLI on a node
 description:
   - Runs C(bwstack build), C(bwstack rollback) or C(bwstack cuda install) on the node and reports
-    C(changed) from bwstack's JSON.
+    C(changed) from bwstack's JSON. C(status) changes nothing and returns the active generation (C(active),
+    from C(bwstack generations --json); null where there is none or bwstack is not installed yet).
   - In check mode it runs C(bwstack build --check) or C(bwstack cuda status) and changes nothing.
   - With C(--diff) it shows the active generation before and after, and the planned actions.
 options:
@@ -30,7 +31,7 @@ options:
     description: What to do.
     type: str
     required: true
-    choices: [build, rollback, cuda]
+    choices: [build, rollback, cuda, status]
   profile:
     description: The lock's profile (empty for its default; for rollback, the newest generation of it).
     type: str
@@ -52,38 +53,46 @@ options:
     type: path
     required: true
   cuda_link:
-    description: The /usr/local/cuda-style link the switch keeps on the active toolkit (C(none) to leave it).
+    description: The /usr/local/cuda-style link the switch keeps on the active toolkit (C(none) or empty to leave it).
     type: str
     required: true
   prefix:
     description: For cuda, the install prefix (empty for the profile's cuda.home).
     type: str
     default: ""
-  wheelhouse:
-    description: Directories of wheels on the node, used before any index.
-    type: list
-    elements: str
-    default: []
-  index:
+  sources:
     description:
-      - NAME=URL mirrors for the lock's indexes.
-      - Treated as secret (URLs may carry credentials) - never shown in Ansible's output or logs.
-    type: list
-    elements: str
-    default: []
-  offline:
-    description: Use only the wheelhouses and the node's wheel store.
-    type: bool
-    default: false
-  ca_bundle:
-    description: CA bundle for TLS (TLS is always verified).
-    type: str
-    default: ""
-  allow_unhashed:
-    description: Packages that may be installed although the lock has no sha256 for them.
-    type: list
-    elements: str
-    default: []
+      - bwstack's source options, handed to it unchanged (each NAME becomes C(--NAME), underscores as dashes; a
+        list repeats the option, true adds the flag, an empty value adds nothing). The roles pass the bwstack
+        role's C(bwstack_sources).
+    type: dict
+    default: {}
+    suboptions:
+      wheelhouse:
+        description: Directories of wheels on the node, used before any index.
+        type: list
+        elements: str
+        default: []
+      index:
+        description:
+          - NAME=URL mirrors for the lock's indexes.
+          - Treated as secret (URLs may carry credentials) - never shown in Ansible's output or logs.
+        type: list
+        elements: str
+        default: []
+      offline:
+        description: Use only the wheelhouses and the node's wheel store.
+        type: bool
+        default: false
+      ca_bundle:
+        description: CA bundle for TLS (TLS is always verified).
+        type: str
+        default: ""
+      allow_unhashed:
+        description: Packages that may be installed although the lock has no sha256 for them.
+        type: list
+        elements: str
+        default: []
 """
 
 RETURN = r"""
@@ -95,6 +104,10 @@ active_before:
   description: The active generation before the run (null when none).
   type: str
   returned: always
+active:
+  description: For status, the active generation's name (null when none).
+  type: str
+  returned: action is status
 switched:
   description: Whether the active generation changed (services that run from the ml-env need a restart).
   type: bool
@@ -126,17 +139,18 @@ def _store_args(p: dict) -> list[str]:
 
 
 def _source_args(p: dict) -> list[str]:
+    """The `sources` option as bwstack's own options, unchanged: NAME -> --NAME (a list repeats it, true is the
+    bare flag, an empty value is left out)."""
     args: list[str] = []
-    for item in p["wheelhouse"]:
-        args += ["--wheelhouse", item]
-    for item in p["index"]:
-        args += ["--index", item]
-    if p["offline"]:
-        args.append("--offline")
-    if p["ca_bundle"]:
-        args += ["--ca-bundle", p["ca_bundle"]]
-    for item in p["allow_unhashed"]:
-        args += ["--allow-unhashed", item]
+    for name, value in (p["sources"] or {}).items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            args += [flag] if value else []
+        elif isinstance(value, list):
+            for item in value:
+                args += [flag, item]
+        elif value:
+            args += [flag, value]
     return args
 
 
@@ -157,12 +171,23 @@ def secrets_of(index: list[str]) -> set[str]:
     return out
 
 
+# bwstack's source options (`bwstack build|rollback|cuda install --help`), declared once on the Ansible side here
+# and in the bwstack role's argument specs; _source_args passes them on by name.
+SOURCE_OPTIONS = {
+    "wheelhouse": {"type": "list", "elements": "str", "default": []},
+    "index": {"type": "list", "elements": "str", "default": [], "no_log": True},
+    "offline": {"type": "bool", "default": False},
+    "ca_bundle": {"type": "str", "default": ""},
+    "allow_unhashed": {"type": "list", "elements": "str", "default": []},
+}
+
+
 class Runner:
     def __init__(self, module: AnsibleModule) -> None:
         self.module = module
         self.p = module.params
         self.base = [self.p["bwstack"], "--lock", self.p["lock"]]
-        module.no_log_values.update(secrets_of(self.p["index"]))
+        module.no_log_values.update(secrets_of((self.p["sources"] or {}).get("index") or []))
 
     def run(self, *args: str, ok_codes: tuple[int, ...] = (0,)) -> tuple[int, dict, str]:
         cmd = [*self.base, *args]
@@ -226,6 +251,8 @@ def do_build(r: Runner) -> dict:
 
 
 def do_rollback(r: Runner) -> dict:
+    """The target is bwstack's to choose (bwstack.provision.build.rollback_target, through `bwstack rollback
+    [--check]`): this module never picks a generation itself, so check mode predicts what the run does."""
     p = r.p
     rows = r.generations()
     before = _active(rows)
@@ -258,6 +285,12 @@ def do_rollback(r: Runner) -> dict:
         "log": err.strip().splitlines()[-60:],
         "diff": {"before": _state(p["ml_env"], before), "after": _state(p["ml_env"], after)},
     }
+
+
+def do_status(r: Runner) -> dict:
+    active = _active(r.generations())
+    return {"changed": False, "switched": False, "active": active, "active_before": active,
+            "msg": f"{r.p['ml_env']}: {active or 'no active generation'}"}  # fmt: skip
 
 
 def do_cuda(r: Runner) -> dict:
@@ -303,7 +336,7 @@ def main() -> None:
         argument_spec={
             "bwstack": {"type": "path", "required": True},
             "lock": {"type": "path", "required": True},
-            "action": {"type": "str", "required": True, "choices": ["build", "rollback", "cuda"]},
+            "action": {"type": "str", "required": True, "choices": ["build", "rollback", "cuda", "status"]},
             "profile": {"type": "str", "default": ""},
             "to": {"type": "str", "default": ""},
             "rebuild": {"type": "bool", "default": False},
@@ -311,16 +344,16 @@ def main() -> None:
             "ml_env": {"type": "path", "required": True},
             "cuda_link": {"type": "str", "required": True},
             "prefix": {"type": "str", "default": ""},
-            "wheelhouse": {"type": "list", "elements": "str", "default": []},
-            "index": {"type": "list", "elements": "str", "default": [], "no_log": True},
-            "offline": {"type": "bool", "default": False},
-            "ca_bundle": {"type": "str", "default": ""},
-            "allow_unhashed": {"type": "list", "elements": "str", "default": []},
+            "sources": {"type": "dict", "default": {}, "options": SOURCE_OPTIONS},
         },
         supports_check_mode=True,
     )
     runner = Runner(module)
     if not os.access(module.params["bwstack"], os.X_OK):
+        if module.params["action"] == "status":
+            module.exit_json(
+                changed=False, switched=False, active=None, active_before=None, msg="bwstack: not installed"
+            )
         if module.check_mode:
             module.exit_json(
                 changed=True,
@@ -339,7 +372,8 @@ def main() -> None:
             "run the bwstack_tool role (provision.yml) first",
             active_before=None,
         )
-    result = {"build": do_build, "rollback": do_rollback, "cuda": do_cuda}[module.params["action"]](runner)
+    actions = {"build": do_build, "rollback": do_rollback, "cuda": do_cuda, "status": do_status}
+    result = actions[module.params["action"]](runner)
     module.exit_json(**result)
 
 

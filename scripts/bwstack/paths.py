@@ -7,6 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# bwstack's store when it runs as root (another user's is ~/.local/share/bwstack): the one place this default is
+# written in Python. The Ansible side has one too, the bwstack role's `bwstack_root` (its defaults/main.yml).
+DEFAULT_ROOT = Path("/opt/bwstack")
+USER_ROOT = Path(".local/share/bwstack")  # under the user's home
+
 PACKAGE = Path(__file__).resolve().parent
 DATA = PACKAGE / "data"
 _CHECKOUT = PACKAGE.parents[1]

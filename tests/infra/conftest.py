@@ -17,6 +17,7 @@ from bwstack.checks.verify import HostUnavailable
 from bwstack.fleet import probe_bundle
 from bwstack.lock.model import Lock, Profile, default_lock_path, load_lock
 from bwstack.probe import schema, waivers
+from bwstack.probe.generation import GenerationFacts
 from bwstack.serveplan.check import request_of
 
 CHUNK = 60_000  # base64 characters per command: well under Linux's 128 KiB limit for one argument
@@ -249,8 +250,8 @@ def profile(facts: dict, lock: Lock, request: pytest.FixtureRequest) -> Profile:
     """The profile named on the command line, else the one the env's generation was built from."""
     name = request.config.getoption("--stack-profile")
     if not name:
-        gen = facts.get("env", {}).get("generation") or {}
-        name = gen.get("profile") or gen.get("nearest_profile") or lock.default_profile
+        gen = GenerationFacts.from_facts(facts.get("env", {}).get("generation"))
+        name = (gen.profile_like if gen else None) or lock.default_profile
     return lock.profile(name)
 
 

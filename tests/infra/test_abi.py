@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from bwstack.errors import BwstackError
+
 
 def _extensions(facts):
     exts = facts["elf"]["extensions"]
@@ -31,11 +33,18 @@ def _describe(members: list[dict], key: str) -> str:
 
 def test_every_needed_library_of_every_extension_resolves_in_the_env(facts, env, lock):
     broken = [_describe(m, "unresolved") for m in _groups(facts).values() if all(e["unresolved"] for e in m)]
-    packages = ", ".join(lock.system_packages.get("ubuntu-24.04", ()))
-    assert not broken, (
+    if not broken:
+        return
+    host = facts.get("host", {})
+    try:  # the lock's rule (the mlenv role installs by the same one)
+        chosen = lock.system_packages_for(host.get("os_id"), host.get("os_version_id"))
+        needs = f"the lock's system_packages for {chosen.os}: {', '.join(chosen.packages) or 'none'}"
+    except BwstackError as exc:
+        needs = str(exc)
+    pytest.fail(
         f"{len(broken)} extension(s) need libraries the loader will not find: {'; '.join(broken[:5])}. "
         "A libcudart/libcublas of another CUDA major means the extension's CUDA build does not match torch's; "
-        f"a system library needs its OS package (the lock's system_packages for Ubuntu 24.04: {packages})."
+        f"a system library needs its OS package ({needs})."
     )
 
 

@@ -13,6 +13,7 @@ import pytest
 from conftest import needs_py312
 
 from bwstack.store.generations import Layout, Store
+from bwstack.store.record import GenerationRecord
 from bwstack.store.runlock import RunLock
 
 pytestmark = needs_py312
@@ -48,14 +49,17 @@ def test_record_holds_profile_lock_digest_python_cuda_patches_and_verification(s
     stack.build("fixture-new", check=True)
     gen = _store(stack).active()
     record = gen.record
-    assert record["profile"] == "fixture-new"
-    assert record["lock_digest"].startswith("sha256:") and record["closure_digest"].startswith("sha256:")
-    assert record["python"].startswith("3.12")
-    assert record["cuda_home"].endswith("cuda-13.0")
-    assert record["patches"] == []
-    assert record["verification"]["status"] == "passed"
-    assert record["torch"] == {"version": "2.9.1+cu130", "cuda": "13.0"}
-    assert record["packages"]["torch"]["hash_verified"] is True
+    assert record.profile == "fixture-new"
+    assert record.lock_digest.startswith("sha256:") and record.closure_digest.startswith("sha256:")
+    assert record.python.startswith("3.12")
+    assert record.cuda_home.endswith("cuda-13.0")
+    assert record.patches == ()
+    assert record.passed and record.verification_status == "passed"
+    assert record.torch == {"version": "2.9.1+cu130", "cuda": "13.0"}
+    assert record.packages["torch"]["hash_verified"] is True
+    # record.json is the record's JSON shape, read back to the same record
+    on_disk = json.loads((gen.path / "record.json").read_text())
+    assert on_disk == record.to_json() and GenerationRecord.from_json(on_disk) == record
 
 
 def test_cuda_follows_the_generation(stack):

@@ -44,10 +44,10 @@ def _failed(checks):
 
 def test_the_cu128_closure_installs_from_the_lock_with_every_hash_verified(real):
     record = real.store.active().record
-    assert record["profile"] == "cu128" and record["verification"]["status"] == "passed"
-    assert len(record["packages"]) == 169
-    assert all(p["hash_verified"] for p in record["packages"].values())
-    assert record["torch"] == {"version": "2.9.1+cu128", "cuda": "12.8"}
+    assert record.profile == "cu128" and record.passed
+    assert len(record.packages) == 169
+    assert all(p["hash_verified"] for p in record.packages.values())
+    assert record.torch == {"version": "2.9.1+cu128", "cuda": "12.8"}
 
 
 # ------------------------------------------------------------------------------------------------ issue 5
@@ -141,7 +141,7 @@ def test_backup_second_generation_rollback_then_the_env_reports_the_recorded_ver
     rolled = json.loads(real.run("rollback", "--json", check=True, timeout=900).stdout)
     assert rolled["generation"] == first.name
     facts = rolled["switch"]["post_check"]
-    assert (facts["torch"], facts["torch_cuda"]) == (first.record["torch"]["version"], first.record["torch"]["cuda"])
+    assert (facts["torch"], facts["torch_cuda"]) == (first.record.torch["version"], first.record.torch["cuda"])
     out = subprocess.run(
         [str(real.base / "ml-env" / "bin" / "python"), "-c",
          "import torch, sglang, flashinfer; print(torch.__version__, torch.version.cuda, flashinfer.__version__)"],

@@ -15,6 +15,7 @@ import yaml
 from conftest import needs_py312
 
 from bwstack.store.generations import Layout, Store
+from fixtures import fakestack
 
 pytestmark = needs_py312
 
@@ -76,8 +77,8 @@ def test_allow_unhashed_installs_and_records_the_wheel_as_unverified(stack):
     assert result.returncode == 0, result.stderr
     assert "WARNING: fixture-dep 2.0: installing" in result.stdout
     record = _store(stack).active().record
-    assert record["packages"]["fixture-dep"]["hash_verified"] is False
-    assert record["packages"]["torch"]["hash_verified"] is True
+    assert record.packages["fixture-dep"]["hash_verified"] is False
+    assert record.packages["torch"]["hash_verified"] is True
 
 
 # ------------------------------------------------------------------------------------------------ kills
@@ -141,7 +142,7 @@ def test_sigkill_during_adoption_keeps_the_hand_made_env_working_and_a_rerun_fin
     assert _active_imports(stack) == "2.9.1"  # still works through the same path
     assert stack.build("fixture-new").returncode == 0
     gens = _store(stack).generations()
-    assert gens[0].record["origin"] == f"adopted:{stack.ml_env}" and not gens[0].env.is_symlink()
+    assert gens[0].record.adopted_from == str(stack.ml_env) and not gens[0].env.is_symlink()
     stack.run("rollback", "--to", str(gens[0].id), check=True)
     assert _active_imports(stack) == "2.9.1"
 
@@ -154,21 +155,7 @@ def test_the_kill_tests_cover_more_than_twenty_points():
 
 
 def _hand_made_env(stack) -> Path:
-    from bwstack.lock.uvtool import run_uv, uv_env
-    from bwstack.provision.envbuild import find_python
-
-    subprocess.run([find_python("3.12"), "-m", "venv", "--without-pip", str(stack.ml_env)], check=True)
-    old = [
-        p
-        for p in stack.wheelhouse.iterdir()
-        if p.name.startswith(("torch-2.9.1-", "fixture_dep-1.0", "fixture_shared"))
-    ]
-    result = run_uv(
-        ["pip", "install", "--python", str(stack.ml_env / "bin" / "python"), "--no-deps", *map(str, old)],
-        env=uv_env(), capture=True,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    return stack.ml_env
+    return fakestack.hand_made_env(stack.ml_env, stack.wheelhouse)
 
 
 def test_adopting_a_hand_made_env_makes_it_generation_0_without_copying(stack):
@@ -177,7 +164,7 @@ def test_adopting_a_hand_made_env_makes_it_generation_0_without_copying(stack):
     inode = marker.stat().st_ino
     result = stack.run("adopt", "--json", check=True)
     gen = _store(stack).get(json.loads(result.stdout)["generation"])
-    assert gen.id == 0 and gen.record["nearest_profile"] == "fixture-old"
+    assert gen.id == 0 and gen.record.nearest_profile == "fixture-old"
     assert next(gen.env.glob("lib/python3.*/site-packages/torch/__init__.py")).stat().st_ino == inode
     assert stack.ml_env.is_symlink() and _active_imports(stack) == "2.9.1"
 

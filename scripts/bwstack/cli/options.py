@@ -17,6 +17,7 @@ import re
 import sys
 from pathlib import Path
 
+from bwstack import paths
 from bwstack.errors import UsageError
 
 CAPABILITY_RE = re.compile(r"^\d{1,2}\.\d$")
@@ -113,7 +114,7 @@ def _option_names(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 Container = argparse.ArgumentParser | argparse._ActionsContainer
 
-STORE_ROOT_HELP = "bwstack's store (default: /opt/bwstack as root, else ~/.local/share/bwstack)"
+STORE_ROOT_HELP = f"bwstack's store (default: {paths.DEFAULT_ROOT} as root, else ~/{paths.USER_ROOT})"
 CUDA_LINK_HELP = "the /usr/local/cuda-style link to keep on the active toolkit ('none' to leave it)"
 
 
@@ -137,7 +138,7 @@ def add_store(p: Container, *, cuda_link: bool = True, hidden: bool = False, on_
     if not hidden:
         p = _group(p, "store location")
     if on_targets:
-        p.add_argument("--root", help="bwstack's store on the targets (default /opt/bwstack)")
+        p.add_argument("--root", help=f"bwstack's store on the targets (default {paths.DEFAULT_ROOT})")
         p.add_argument("--ml-env", help="the env path users run on the targets (default /opt/ml-env)")
         if cuda_link:
             p.add_argument("--cuda-link", help="the /usr/local/cuda-style link on the targets ('none' to leave it)")

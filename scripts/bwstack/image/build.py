@@ -5,7 +5,7 @@ image side). The build is orchestrated here; each concern lives in its own modul
    bwstack renders from the lock under inputs/ (a few KB, whatever the wheelhouse).
 2. wheels.py finds the wheels on the host and hashes every one found in --wheelhouse against the lock before
    Docker is asked for anything; the rest are downloaded into bwstack's wheel store (hash-checked).
-3. daemon.py reads the base image (its /usr/local/cuda and /etc/os-release); bwstack.lock.system picks the OS
+3. daemon.py reads the base image (its /usr/local/cuda and /etc/os-release); Lock.system_packages_for picks the OS
    packages for that OS, and context.py writes them for the Dockerfile, which decides nothing.
 4. server.py serves the build on the Docker bridge gateway: the step script (docker/bwstack-step.py), bwstack
    itself (tool.py's tool.tar: its code, its pure-Python dependencies and uv), the lock, the CA bundle if one
@@ -33,7 +33,6 @@ from pathlib import Path
 
 from bwstack.errors import BwstackError, UsageError
 from bwstack.image import context, daemon, labels, server, tool, wheels
-from bwstack.lock import system
 
 DEFAULT_BUILD_PORT = 0  # any free port: the address reaches the build in http_proxy, outside the cache key
 
@@ -189,10 +188,10 @@ def build_image(
         base = opts.base_image or profile.cuda.docker_base
         daemon.ensure_image(client, base, log)
         facts = daemon.probe_base(client, base)
-        picked = system.pick(lock.system_packages, facts.os_release)
-        context.write_system_packages(context_dir, base, picked)
+        picked = context.system_packages_of(lock, base, facts.os_release)
+        context.write_system_packages(context_dir, picked)
         log(
-            f"base {base} ({picked.os_id}): "
+            f"base {base} ({picked.entry}): "
             + (
                 "has /usr/local/cuda (used as is)"
                 if facts.has_cuda
@@ -241,7 +240,7 @@ def build_image(
         lock_digest=profile.lock_digest(),
         base_image=base,
         base_has_cuda=facts.has_cuda,
-        system_packages_os=picked.os_id or "",
+        system_packages_os=picked.entry or "",
         size_bytes=image.attrs.get("Size"),
         seconds=round(time.monotonic() - t0, 1),
         prepare_seconds=round(prepared, 1),

@@ -2,7 +2,7 @@
 
 One hash-pinned requirement file per image layer (`bwstack render --layers`, minus its lock-digest header so an
 unchanged layer stays byte-identical), the profile's cuda-toolkit requirements and the OS packages bwstack picked
-for the base image (bwstack.lock.system.pick; written once the base's /etc/os-release is known). A few KB,
+for the base image (Lock.system_packages_for; written once the base's /etc/os-release is known). A few KB,
 whatever the wheelhouse. A missing or stale closure (a pin edited without `bwstack lock`) is refused here, before
 anything else.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from bwstack import paths
 from bwstack.errors import UsageError
-from bwstack.lock.system import OsPackages
+from bwstack.lock.model import NoSystemPackages, SystemPackages
 
 TAG_TEMPLATE = "bwstack/sglang:{profile}-{digest}"
 LAYER_STEP_RE = re.compile(r"^COPY inputs/layers/(\S+) ", re.MULTILINE)
@@ -138,14 +138,20 @@ def stage_context(lock, profile, dest: Path, dockerfile: Path) -> StagedContext:
     return StagedContext(dest, layer_files, select(closure.env, target), select(closure.cuda_toolkit, target))
 
 
-def write_system_packages(context: Path, base: str, picked: OsPackages) -> Path:
+def system_packages_of(lock, base: str, os_release: dict[str, str]) -> SystemPackages:
+    """The lock's packages for the base image's OS (the one rule, Lock.system_packages_for); no entry for it is
+    refused here, before the build, naming the base."""
+    try:
+        return lock.system_packages_for(os_release.get("ID"), os_release.get("VERSION_ID"))
+    except NoSystemPackages as exc:
+        raise UsageError(f"base image {base}: {exc}") from None
+    except UsageError as exc:
+        raise UsageError(f"base image {base}: {exc}") from None
+
+
+def write_system_packages(context: Path, picked: SystemPackages) -> Path:
     """inputs/system-packages.txt: the packages bwstack picked for the base's OS, one a line (the Dockerfile
-    installs exactly these, with `xargs`: it decides nothing). No list for that OS is refused here, before the build."""
-    if picked.os_id is None:
-        tried = " or ".join(picked.os_ids) or "an OS without ID/VERSION_ID"
-        raise UsageError(
-            f"the lock's system_packages has no entry for {tried} (the OS of base image {base}): add one to the lock"
-        )
+    installs exactly these, with `xargs`: it decides nothing)."""
     path = context / SYSTEM_PACKAGES
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(f"{name}\n" for name in picked.packages), encoding="utf-8")

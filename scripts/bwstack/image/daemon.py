@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from bwstack.errors import BwstackError
-from bwstack.lock.system import parse_os_release
+from bwstack.probe import osrelease
 
 BUILD_TIMEOUT = 6 * 3600
 
@@ -94,4 +93,4 @@ def probe_base(client, base: str) -> BaseFacts:
         raise BwstackError(f"cannot run base image {base} to read it: {str(exc).splitlines()[0][:300]}") from None
     has_cuda = f"{_MARK}yes" in out
     release = "\n".join(line for line in out.splitlines() if not line.startswith(_MARK))
-    return BaseFacts(base, has_cuda, parse_os_release(release, f"/etc/os-release of {shlex.quote(base)}"))
+    return BaseFacts(base, has_cuda, osrelease.parse(release))

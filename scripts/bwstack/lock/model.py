@@ -22,7 +22,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
 from bwstack import paths
-from bwstack.errors import LockError, UsageError
+from bwstack.errors import BwstackError, LockError, UsageError
 from bwstack.lock.read import MAX_SHOWN, load_yaml, read_lock_text, shown
 
 SCHEMA_VERSION = 1
@@ -271,6 +271,10 @@ class Lock:
     profiles: Mapping[str, Profile]
     spec_text: str
 
+    def system_packages_for(self, os_id: str | None, version_id: str | None) -> SystemPackages:
+        """See the module-level `system_packages_for`."""
+        return system_packages_for(self.system_packages, os_id, version_id, self.path)
+
     def profile_name(self, name: str | None) -> str:
         """The one rule for which profile a command means: the name given, else the lock's default_profile.
         An unknown name is refused, naming the known ones. The CLI, the fleet's controller facts and the
@@ -283,6 +287,56 @@ class Lock:
 
     def profile(self, name: str | None) -> Profile:
         return self.profiles[self.profile_name(name)]
+
+
+class NoSystemPackages(BwstackError):
+    """The lock lists system packages, but none for this OS release."""
+
+
+@dataclass(frozen=True)
+class SystemPackages:
+    """The OS packages a host needs, and which of the lock's system_packages entries said so."""
+
+    os: str  # ID-VERSION_ID as /etc/os-release spells them, e.g. "ubuntu-24.04"
+    entry: str | None  # the lock's key that matched; None when the lock lists no system packages at all
+    packages: tuple[str, ...]
+
+    def as_dict(self) -> dict:
+        return {"os": self.os, "entry": self.entry, "packages": list(self.packages)}
+
+
+def system_packages_for(
+    table: Mapping[str, tuple[str, ...]], os_id: str | None, version_id: str | None, lock_path: str = "the lock"
+) -> SystemPackages:
+    """The one rule for which of the lock's system_packages a host installs, given its /etc/os-release ID and
+    VERSION_ID (the Ansible role, the infra checks and the image build all ask here):
+
+    - the entry named exactly ID-VERSION_ID (ubuntu-24.04, debian-12), else
+    - the entry named ID-MAJOR, which stands for every release of that major version (a `debian-12` entry
+      also covers a VERSION_ID of 12.7, as some derivatives write it).
+
+    A minor release is never another's: Ubuntu 24.10 is not 24.04 (its package names differ, e.g. the t64
+    renames), so it gets no entry unless the lock names it. No entry for the host is a NoSystemPackages error
+    naming the entries there are; a lock without system_packages asks for nothing (empty, entry None).
+    """
+    os_id = (os_id or "").strip().lower()
+    version_id = (version_id or "").strip()
+    if not os_id or not version_id:
+        raise UsageError(
+            f"the host's OS is not known (os-release ID={os_id or '(missing)'}, VERSION_ID={version_id or '(missing)'})"
+            ": the lock's system_packages are chosen by both"
+        )
+    host = f"{os_id}-{version_id}"
+    if not table:
+        return SystemPackages(host, None, ())
+    for key in (host, f"{os_id}-{version_id.split('.', 1)[0]}"):
+        if key in table:
+            return SystemPackages(host, key, tuple(table[key]))
+    raise NoSystemPackages(
+        f"{lock_path}: system_packages has no entry for {host} (it has {', '.join(sorted(table))}; an ID-MAJOR "
+        "entry covers every release of that major): install the equivalents yourself, or add the entry to the "
+        "lock; `bwstack verify` names any library that is missing"
+    )
 
 
 def spec_digest(spec: Mapping[str, Any]) -> str:

@@ -20,7 +20,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bwstack.probe import elfscan, envinspect, fatbin, features, interp, schema, sealed, waivers
+from bwstack.probe import elfscan, envinspect, fatbin, features, generation, interp, osrelease, schema, sealed, waivers
 
 DRIVER_LIBS = {"libcuda.so.1", "libnvidia-ml.so.1"}
 TORCH_NEEDED = re.compile(r"^lib(torch|c10)")
@@ -41,16 +41,13 @@ def default_env() -> Path:
 
 
 def host_facts() -> dict:
-    os_release = {}
-    try:
-        for line in Path("/etc/os-release").read_text().splitlines():
-            key, _, value = line.partition("=")
-            os_release[key] = value.strip('"')
-    except OSError:
-        pass
+    os_release = osrelease.read()
     return {
         "hostname": socket.gethostname(),
         "os": os_release.get("PRETTY_NAME", platform.platform()),
+        # what the lock's system_packages are chosen by (bwstack.lock.model.system_packages_for)
+        "os_id": os_release.get("ID"),
+        "os_version_id": os_release.get("VERSION_ID"),
         "glibc": platform.libc_ver()[1],
         "probe_python": platform.python_version(),
         "uid": os.geteuid(),
@@ -115,17 +112,9 @@ def env_facts(env: Path, static: dict | None = None) -> dict:
     facts["site_packages"] = str(sp)
     facts["python"] = envinspect.env_python_version(env)
     facts["installed"] = static["installed"] if static else installed_facts(env)
-    record = real.parent / "record.json"
-    if record.is_file():
-        data = json.loads(record.read_text())
-        facts["generation"] = {
-            "name": real.parent.name,
-            "profile": data.get("profile"),
-            "nearest_profile": data.get("nearest_profile"),
-            "lock_digest": data.get("lock_digest"),
-            "cuda_home": data.get("cuda_home"),
-            "verification": data.get("verification", {}).get("status"),
-        }
+    gen = generation.read(real.parent)
+    if gen is not None:
+        facts["generation"] = gen.as_dict()
     facts["torch_version_py"] = static["torch_version_py"] if static else _torch_version_py(sp)
     facts["store"] = store_facts(env)
     return facts

@@ -240,13 +240,9 @@ def _node_facts(report: Report, want: Want, machine: Machine, *, listed: bool) -
 
 
 def _os_name() -> str:
-    try:
-        for line in Path("/etc/os-release").read_text().splitlines():
-            if line.startswith("PRETTY_NAME="):
-                return line.split("=", 1)[1].strip('"')
-    except OSError:
-        pass
-    return platform.platform()
+    from bwstack.probe import osrelease
+
+    return osrelease.read().get("PRETTY_NAME") or platform.platform()
 
 
 def main(argv: list[str]) -> int:

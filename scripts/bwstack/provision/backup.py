@@ -37,6 +37,7 @@ from bwstack.store.generations import (
     take_ownership,
     write_hook,
 )
+from bwstack.store.record import GenerationRecord
 from bwstack.store.session import swap_in
 
 # ------------------------------------------------------------------------------------------------ adopt
@@ -140,22 +141,22 @@ def adopt(store: Store, lock: Lock, log=print) -> Generation:
     # The manifest describes the generation as it will be once the env is swapped in.
     entries = [e for e in manifest.build(building, skip_top=(MANIFEST, RECORD)) if e.path != "env"]
     entries += _prefixed(manifest.build(src, skip_top=()), "env")
-    record = {
-        "id": gen_id,
-        "profile": exact,
-        "nearest_profile": nearest,
-        "created": now_iso(),
-        "origin": f"adopted:{src}",
-        "lock_digest": lock.profiles[exact].lock_digest() if exact else None,
-        "python": envinspect.env_python_version(src),
-        "cuda_home": cuda_home,
-        "patches": [],
-        "packages": {n: {"version": d.version} for n, d in installed.items()},
-        "torch": _torch_record(src) if facts.get("torch") else {},
-        "verification": {"status": "not-run", "at": now_iso(), "why": "adopted as found"},
-    }
-    meta = {"packages": record["packages"], "python": record["python"], "cuda_home": cuda_home,
-            "lock_digest": record["lock_digest"], "created": record["created"]}  # fmt: skip
+    record = GenerationRecord(
+        id=gen_id,
+        profile=exact,
+        nearest_profile=nearest,
+        created=now_iso(),
+        origin=f"adopted:{src}",
+        lock_digest=lock.profiles[exact].lock_digest() if exact else None,
+        python=envinspect.env_python_version(src),
+        cuda_home=cuda_home,
+        packages={n: {"version": d.version} for n, d in installed.items()},
+        torch=_torch_record(src) if facts.get("torch") else {},
+        verification={"status": "not-run", "at": now_iso(), "why": "adopted as found"},
+    )
+    json_record = record.to_json()
+    meta = {"packages": json_record["packages"], "python": record.python, "cuda_home": cuda_home,
+            "lock_digest": record.lock_digest, "created": record.created}  # fmt: skip
     os.symlink(str(layout.current / "env"), building / "env")  # placeholder, swapped with the real dir below
     gen = store.commit(building, record, meta, entries, link_objects=False)
     checkpoint("adopt-before-current")
@@ -164,7 +165,7 @@ def adopt(store: Store, lock: Lock, log=print) -> Generation:
     swap_in(src, gen.env, log)
     store.ensure_links()
     store.index_files(gen)
-    log(f"adopted {src} as generation {name} ({gen.record['size_bytes'] >> 20} MiB, nothing copied)")
+    log(f"adopted {src} as generation {name} ({(gen.record.size_bytes or 0) >> 20} MiB, nothing copied)")
     return gen
 
 
@@ -252,17 +253,16 @@ def _snapshot(store: Store, active: Generation, problems: list[manifest.Problem]
         final_building = building.with_name(f"{BUILDING_PREFIX}{name}")
         os.rename(building, final_building)
         building = final_building
-        record = {
-            **active.record,
-            "id": gen_id,
-            "created": now_iso(),
-            "origin": f"snapshot-of:{active.name}",
-            "packages": {n: {"version": d.version} for n, d in envinspect.installed(building / "env").items()},
-            "verification": {"status": "not-run", "at": now_iso(), "why": f"snapshot of a modified {active.name}"},
-            "drift": [str(p) for p in problems[:50]],
-        }
+        record = active.record.replace(
+            id=gen_id,
+            created=now_iso(),
+            origin=f"snapshot-of:{active.name}",
+            packages={n: {"version": d.version} for n, d in envinspect.installed(building / "env").items()},
+            verification={"status": "not-run", "at": now_iso(), "why": f"snapshot of a modified {active.name}"},
+            drift=tuple(str(p) for p in problems[:50]),
+        )
         meta = {k: v for k, v in active.manifest.meta.items() if k != "generation"}
-        meta.update({"created": record["created"], "packages": record["packages"]})
+        meta.update({"created": record.created, "packages": record.to_json()["packages"]})
         return store.commit(building, record, meta, entries)
     except BaseException:
         remove_tree(building)

@@ -36,6 +36,7 @@ from bwstack.store.generations import (
     seal,
     write_hook,
 )
+from bwstack.store.record import GenerationRecord
 from bwstack.store.session import open_store
 
 GIB = 1 << 30
@@ -66,7 +67,7 @@ def closure_digest(profile: Profile) -> str:
 def find_built(store: Store, profile: Profile, digest: str) -> Generation | None:
     """The newest verified generation built from exactly this closure whose files still verify."""
     for gen in reversed(store.generations()):
-        same = gen.profile == profile.name and gen.record.get("closure_digest") == digest
+        same = gen.profile == profile.name and gen.record.closure_digest == digest
         if same and gen.verified and not gen.verify("quick"):
             return gen
     return None
@@ -224,35 +225,35 @@ def _build_generation(
             failed = [c for c in verification["checks"] if not c["ok"]]
             raise BwstackError(f"the new {profile.name} env failed verification, not committed: {failed}")
         checkpoint("after-verify")
-        record = {
-            "id": int(name.split("-", 1)[0]),
-            "profile": profile.name,
-            "created": now_iso(),
-            "origin": "built",
-            "lock_digest": profile.lock_digest(),
-            "closure_digest": digest,
-            "python": envinspect.env_python_version(env),
-            "python_executable": python,
-            "cuda_home": profile.cuda.home,
-            "cuda_version": profile.cuda.version,
-            "patches": [_as_dict(a) for a in applied],
-            "torch": torch,
-            "packages": {n: w.as_dict() for n, w in sorted(wheels.items())},
-            "verification": verification,
-        }
-        meta = {
-            "lock_digest": record["lock_digest"],
-            "python": record["python"],
-            "cuda_home": record["cuda_home"],
-            "created": record["created"],
-            "packages": record["packages"],
-        }
+        record = GenerationRecord(
+            id=int(name.split("-", 1)[0]),
+            profile=profile.name,
+            created=now_iso(),
+            origin="built",
+            lock_digest=profile.lock_digest(),
+            closure_digest=digest,
+            python=envinspect.env_python_version(env),
+            python_executable=python,
+            cuda_home=profile.cuda.home,
+            cuda_version=profile.cuda.version,
+            patches=tuple(_as_dict(a) for a in applied),
+            torch=torch,
+            packages={n: w.as_dict() for n, w in sorted(wheels.items())},
+            verification=verification,
+        )
+        meta = _manifest_meta(record)
         gen = store.commit(building, record, meta, entries)
         checkpoint("after-commit")
         return gen
     except BaseException:
         remove_tree(building)
         raise
+
+
+def _manifest_meta(record: GenerationRecord) -> dict:
+    """What the manifest repeats of the record (an archive's manifest stands on its own)."""
+    data = record.to_json()
+    return {key: data.get(key) for key in ("lock_digest", "python", "cuda_home", "created", "packages")}
 
 
 def _as_dict(item) -> dict:
@@ -284,8 +285,8 @@ def plan_rollback(
 ) -> dict:
     """What `rollback` would do, changing nothing (the Ansible module's check mode asks this)."""
     store = Store(layout)
-    active = store.active()
-    target = _rollback_target(store, active, to, profile_name)
+    active = store.active_or_none()  # as the rollback itself: a broken `current` is what it repairs
+    target = rollback_target(store, active, to=to, profile_name=profile_name)
     name = profile_name or lock.rollback_profile
     if target is None:
         if not rebuild:
@@ -314,7 +315,7 @@ def rollback(
         if problem:
             log(f"warning: {problem}; rolling back repairs it")
         active = store.active_or_none()
-        target = _rollback_target(store, active, to, profile_name)
+        target = rollback_target(store, active, to=to, profile_name=profile_name)
         if target is None:
             name = profile_name or lock.rollback_profile
             if not rebuild:
@@ -336,12 +337,23 @@ def rollback(
         }
 
 
-def _rollback_target(store: Store, active: Generation | None, to: str | None, profile_name: str | None):
+def rollback_target(
+    store: Store, active: Generation | None, *, to: str | None = None, profile_name: str | None = None
+) -> Generation | None:
+    """The one rule for which generation a rollback switches to (`rollback`, `rollback --check` and so the
+    Ansible module, which runs those, all come here); None when there is none.
+
+    - `to`: that generation (by id, 4-digit id or name; a damaged or unknown one is an error);
+    - `profile_name`: the newest usable generation, other than the active one, built from that profile or
+      adopted as nearest to it (a hand-made env adopted as generation 0 counts for its nearest profile);
+    - neither: the generation the newest switch came from, other than the active one and still usable; with no
+      such switch in the history, the newest usable generation other than the active one.
+    """
     if to is not None:
         return store.get(to)
     gens = [g for g in store.usable() if active is None or g.name != active.name]
     if profile_name is not None:
-        matching = [g for g in gens if g.profile == profile_name or g.record.get("nearest_profile") == profile_name]
+        matching = [g for g in gens if g.record.counts_for(profile_name)]
         return matching[-1] if matching else None
     for entry in reversed(store.history()):
         if entry.get("from") and (active is None or entry["from"] != active.name):

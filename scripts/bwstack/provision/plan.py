@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bwstack.errors import UsageError
+from bwstack.errors import BwstackError, UsageError
 from bwstack.lock.model import Profile
 from bwstack.probe import envinspect
 
@@ -67,14 +67,17 @@ class EnvPlan:
 
 def _installed_hashes(env: Path) -> tuple[str | None, dict[str, str]]:
     """(generation name, {package: sha256}) from the generation record or installers' direct_url.json."""
+    from bwstack.store.generations import RECORD, read_record
+
     real = env.resolve()
-    record = real.parent / "record.json"
     hashes: dict[str, str] = {}
     generation = None
-    if record.is_file():
-        data = json.loads(record.read_text())
+    if (real.parent / RECORD).is_file():
+        record, problem = read_record(real.parent)
+        if problem:
+            raise BwstackError(f"{real.parent}: {problem}")
         generation = real.parent.name
-        for name, info in data.get("packages", {}).items():
+        for name, info in record.packages.items():
             if info.get("sha256"):
                 hashes[name] = info["sha256"]
     for name, dist in envinspect.installed(env).items():

@@ -51,6 +51,7 @@ from bwstack.store.generations import (
     remove_tree,
     run_env_check,
 )
+from bwstack.store.record import GenerationRecord, RecordError
 
 TOP = "generation"
 MAX_MEMBERS = 2_000_000
@@ -350,6 +351,11 @@ def _check_sidecar(path: Path, fd: int, log) -> None:
         )
 
 
+# What a restored generation keeps of the archive's record (the rest - id, origin, verification - is its own).
+RESTORED_KEYS = ("profile", "nearest_profile", "lock_digest", "closure_digest", "python", "cuda_home", "cuda_version",
+                 "patches", "torch", "packages")  # fmt: skip
+
+
 def _parse_metadata(scan: _Scan) -> tuple[dict, manifest.Manifest]:
     try:
         record = json.loads(scan.metadata[RECORD])
@@ -357,6 +363,10 @@ def _parse_metadata(scan: _Scan) -> tuple[dict, manifest.Manifest]:
         raise _refuse(f"{TOP}/{RECORD} is not valid JSON") from None
     if not isinstance(record, dict):
         raise _refuse(f"{TOP}/{RECORD} is not a JSON object")
+    try:  # what a restore keeps of it is typed like any record, or the archive is refused before a byte is written
+        GenerationRecord.from_json({**{k: record[k] for k in RESTORED_KEYS if k in record}, "id": 0})
+    except RecordError as exc:
+        raise _refuse(f"{TOP}/{RECORD}: {exc}") from None
     try:
         doc = manifest.parse(scan.metadata[MANIFEST])
     except manifest.ManifestError as exc:
@@ -441,27 +451,22 @@ def _commit_restored(
         )
     checkpoint("restore-before-commit")
     name = generation_name(gen_id, _plain(record.get("profile")), doc.content_digest())
-    restored_record = {
-        key: record[key]
-        for key in ("profile", "nearest_profile", "lock_digest", "closure_digest", "python", "cuda_home",
-                    "cuda_version", "patches", "torch", "packages")
-        if key in record
-    }  # fmt: skip
-    restored_record.update(
+    kept = {key: record[key] for key in RESTORED_KEYS if key in record}
+    kept.update(
         {
             "id": gen_id,
             "profile": _plain(record.get("profile")),
             "created": now_iso(),
             "origin": f"restored:{path} (was generation {str(record.get('id'))[:20]})",
-            "verification": _verify_restored(building, name, record),
         }
     )
+    restored_record = GenerationRecord.from_json(kept).replace(verification=_verify_restored(building, name, record))
     final_building = building.with_name(f"{BUILDING_PREFIX}{name}")
     os.rename(building, final_building)
     entries = manifest.build(final_building, skip_top=(MANIFEST, RECORD))
     meta = {k: v for k, v in doc.meta.items() if k != "generation"}
     gen = store.commit(final_building, restored_record, meta, entries)
-    verification = restored_record["verification"]
+    verification = restored_record.to_json()["verification"]
     if verification["status"] != "passed":
         failed = "; ".join(str(c.get("detail")) for c in verification["checks"] if not c["ok"])
         log(f"warning: restored {gen.name} did not pass its checks: {failed}")

@@ -37,11 +37,14 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+from bwstack import paths
 from bwstack.errors import BwstackError, IntegrityError, UsageError
 from bwstack.fsutil import atomic_symlink, atomic_write_text, fsync_dir, sha256_file
 from bwstack.probe import envinspect, interp
 from bwstack.store import manifest
+from bwstack.store import record as record_module
 from bwstack.store.objects import ObjectStore
+from bwstack.store.record import GenerationRecord, RecordError
 
 RECORD = "record.json"
 MANIFEST = manifest.MANIFEST_NAME
@@ -95,7 +98,7 @@ class Layout:
         is_root = os.geteuid() == 0
         home = Path.home()
         root_value = _setting(root, "BWSTACK_ROOT")
-        root_path = Path(root_value or ("/opt/bwstack" if is_root else home / ".local/share/bwstack"))
+        root_path = Path(root_value or (paths.DEFAULT_ROOT if is_root else home / paths.USER_ROOT))
         ml = Path(_setting(ml_env, "BWSTACK_ML_ENV") or ("/opt/ml-env" if is_root else home / "ml-env"))
         link_value = _setting(cuda_link, "BWSTACK_CUDA_LINK")
         if link_value is None:
@@ -158,46 +161,37 @@ def _id_from_name(name: str) -> int | None:
     return int(head) if head.isdigit() and len(head) == 4 else None
 
 
-def read_record(gen_dir: Path) -> tuple[dict, str | None]:
+def read_record(gen_dir: Path) -> tuple[GenerationRecord, str | None]:
     """(record, problem): the record of a generation directory, or an empty one and why it is damaged."""
+    gen_id = _id_from_name(gen_dir.name)
+    damaged = record_module.empty(-1 if gen_id is None else gen_id)
     try:
         data = _read_small(gen_dir / RECORD, MAX_RECORD_BYTES)
     except FileNotFoundError:
-        return {}, f"{RECORD} is missing"
+        return damaged, f"{RECORD} is missing"
     except (OSError, ValueError) as exc:
-        return {}, f"{RECORD} cannot be read ({getattr(exc, 'strerror', None) or exc})"
+        return damaged, f"{RECORD} cannot be read ({getattr(exc, 'strerror', None) or exc})"
     try:
-        record = json.loads(data)
+        doc = json.loads(data)
     except ValueError as exc:
-        return {}, f"{RECORD} is not valid JSON ({exc})"
-    if not isinstance(record, dict):
-        return {}, f"{RECORD} is not a JSON object"
-    problems = []
-    if not isinstance(record.get("id"), int) or isinstance(record.get("id"), bool):
-        problems.append("`id` is not an integer")
-    elif record["id"] != _id_from_name(gen_dir.name):
-        problems.append(f"`id` {record['id']} does not match the directory name")
-    for key in ("profile", "nearest_profile", "created", "origin", "cuda_home", "python"):
-        if record.get(key) is not None and not isinstance(record.get(key), str):
-            problems.append(f"`{key}` is not a string")
-    for key in ("verification", "torch", "packages"):
-        if key in record and not isinstance(record[key], dict):
-            problems.append(f"`{key}` is not an object")
-    if problems:
-        return {}, f"{RECORD}: " + "; ".join(problems)
-    return record, None
+        return damaged, f"{RECORD} is not valid JSON ({exc})"
+    if not isinstance(doc, dict):
+        return damaged, f"{RECORD} is not a JSON object"
+    try:
+        return GenerationRecord.from_json(doc, expected_id=_id_from_name(gen_dir.name)), None
+    except RecordError as exc:
+        return damaged, f"{RECORD}: {exc}"
 
 
 @dataclass(frozen=True)
 class Generation:
     path: Path
-    record: dict
+    record: GenerationRecord
     record_problem: str | None = field(default=None, compare=False)
 
     @property
     def id(self) -> int:
-        value = self.record.get("id")
-        return value if isinstance(value, int) else (_id_from_name(self.name) or -1)
+        return self.record.id
 
     @property
     def name(self) -> str:
@@ -205,7 +199,7 @@ class Generation:
 
     @property
     def profile(self) -> str | None:
-        return self.record.get("profile")
+        return self.record.profile
 
     @property
     def env(self) -> Path:
@@ -239,8 +233,7 @@ class Generation:
     @property
     def verified(self) -> bool:
         """Its checks passed when it was built (or restored); says nothing about its files since."""
-        verification = self.record.get("verification")
-        return not self.damaged and isinstance(verification, dict) and verification.get("status") == "passed"
+        return not self.damaged and self.record.passed
 
     def manifest_entries(self) -> list[manifest.Entry]:
         return list(self.manifest.entries)
@@ -487,7 +480,7 @@ class Store:
     def commit(
         self,
         building: Path,
-        record: dict,
+        record: GenerationRecord,
         meta: dict,
         entries: list[manifest.Entry] | None = None,
         *,
@@ -497,8 +490,8 @@ class Store:
         if entries is None:
             entries = self.seal_and_hash(building)
         name = building.name[len(BUILDING_PREFIX) :]
-        record = {**record, "size_bytes": manifest.total_size(entries), "files": len(entries)}
-        atomic_write_text(building / RECORD, json.dumps(record, indent=2), mode=0o444)
+        record = record.replace(size_bytes=manifest.total_size(entries), files=len(entries))
+        atomic_write_text(building / RECORD, json.dumps(record.to_json(), indent=2), mode=0o444)
         st = os.lstat(building / RECORD)
         record_entry = manifest.Entry(
             RECORD, "f", st.st_size, 0o444, sha256_file(building / RECORD), st.st_ino, st.st_mtime_ns,
@@ -887,7 +880,7 @@ def run_env_check(env_path: Path, real_env: Path, name: str, torch: dict, *, wha
 
 def post_switch_check(ml_env: Path, gen: Generation) -> dict:
     """Run the env through the ml-env path: the interpreter starts, and torch reports the recorded versions."""
-    torch = gen.record.get("torch") if isinstance(gen.record.get("torch"), dict) else {}
+    torch = dict(gen.record.torch)
     try:
         return run_env_check(ml_env, gen.env, gen.name, torch, what="post-switch check")
     except BwstackError as exc:

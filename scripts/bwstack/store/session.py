@@ -50,8 +50,9 @@ def swap_in(real_dir: Path, placeholder: Path, log: Log) -> None:
 def finish_interrupted_adoption(store: Store, log: Log = print) -> None:
     """A kill between committing an adopted generation and swapping the directory in: finish the swap."""
     for gen in store.usable():
-        if gen.env.is_symlink() and str(gen.record.get("origin", "")).startswith("adopted:"):
-            src = Path(gen.record["origin"].split(":", 1)[1])
+        adopted_from = gen.record.adopted_from
+        if gen.env.is_symlink() and adopted_from is not None:
+            src = Path(adopted_from)
             if src.is_dir() and not src.is_symlink():
                 log(f"finishing the interrupted adoption of {src} as {gen.name}")
                 if store.active_or_none() is None or store.active_or_none().name != gen.name:

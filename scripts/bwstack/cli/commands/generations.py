@@ -50,9 +50,9 @@ def _row(gen, active, args: argparse.Namespace) -> dict:
     row = {
         "id": gen.id,
         "name": gen.name,
-        "profile": gen.profile or f"(adopted, like {gen.record.get('nearest_profile')})",
-        "created": gen.record.get("created"),
-        "size_bytes": gen.record.get("size_bytes"),
+        "profile": gen.profile or f"(adopted, like {gen.record.nearest_profile})",
+        "created": gen.record.created,
+        "size_bytes": gen.record.size_bytes,
         "active": active is not None and gen.name == active.name,
         "path": str(gen.path),
     }
@@ -60,7 +60,7 @@ def _row(gen, active, args: argparse.Namespace) -> dict:
         row.update({"state": "damaged", "why": damaged, "verified": None, "integrity": f"damaged: {damaged}"})
         return row
     problems = gen.verify(args.verify if args.check else "quick")
-    verification = gen.record.get("verification", {}).get("status")
+    verification = gen.record.verification_status
     if problems:
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
         row.update({"state": "changed", "why": f"{problems[0]}{more}", "verified": verification})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from bwstack import paths
 from bwstack.cli import options
 from bwstack.cli.console import Console
 
@@ -77,7 +78,9 @@ def _build_flags(p: argparse.ArgumentParser) -> None:
         help="port of the build's file server on the Docker bridge (default: any free port; the address "
         "reaches the build outside the layer cache key, so any port keeps the cache)",
     )
-    p.add_argument("--store", help="wheel store for downloads (default: bwstack's, e.g. /opt/bwstack/cache/wheels)")
+    p.add_argument(
+        "--store", help=f"wheel store for downloads (default: bwstack's, e.g. {paths.DEFAULT_ROOT}/cache/wheels)"
+    )
     p.add_argument("--quiet", action="store_true", help="do not stream the build's output")
     options.add_json(p)
 

@@ -40,7 +40,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bwstack.serveplan import cli as serveplan
+    from bwstack.serveplan import command as serveplan
 
     console = Console.of(args)
     if args.list_models:
