@@ -17,29 +17,9 @@ TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
 sys.path.insert(0, str(TESTS))
 
+from helpers import REAL_LOCK, bwstack  # noqa: E402
+
 from fixtures import fakestack  # noqa: E402
-
-REAL_LOCK = REPO / "stack.lock.yaml"
-MACHINES = TESTS / "fixtures" / "machines"  # TEST FIXTURE recorded machine descriptions (see its README.md)
-
-
-def bwstack(
-    *args: str, env: dict | None = None, check: bool = False, timeout: int = 900
-) -> subprocess.CompletedProcess:
-    """Run the real CLI in a subprocess (as a user would)."""
-    full_env = {**os.environ, **(env or {})}
-    result = subprocess.run(
-        [sys.executable, "-m", "bwstack", *args],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=timeout,
-    )
-    if check and result.returncode != 0:
-        raise AssertionError(
-            f"bwstack {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
-        )
-    return result
 
 
 @pytest.fixture(scope="session")
@@ -115,17 +95,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def have_python312() -> bool:
-    from bwstack.provision.envbuild import find_python
-
-    try:
-        find_python("3.12")
-        return True
-    except Exception:
-        return False
-
-
-needs_py312 = pytest.mark.skipif(not have_python312(), reason="no Python 3.12 interpreter (the profiles' Python)")
 
 
 @pytest.fixture(scope="session")

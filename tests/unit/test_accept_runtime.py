@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import MACHINES, REAL_LOCK, bwstack, needs_py312
+from helpers import MACHINES, REAL_LOCK, bwstack, needs_py312
 
 from bwstack.accept.report import AcceptReport, NodeVerdict
 from bwstack.accept.runtime import (

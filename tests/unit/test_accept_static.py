@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import MACHINES, REAL_LOCK, bwstack
+from helpers import MACHINES, REAL_LOCK, bwstack
 
 from bwstack.lock.model import load_lock
 from bwstack.probe.hw import driver, pcie

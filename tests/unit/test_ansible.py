@@ -1,7 +1,7 @@
 """The Ansible side: lint and syntax of the playbooks, the roles' contracts, `bwstack provision`'s targets,
 and the quick real runs (preflight refusal, canary stopping a rollout, check mode on a fresh node, the apt
 method in check mode). The full fixture flow is in test_ansible_flow.py; the real cu128 env in
-test_ansible_real.py. Helpers here are shared with those files.
+test_ansible_real.py. Their shared helpers are in helpers.py.
 """
 
 from __future__ import annotations
@@ -9,154 +9,28 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
 import shlex
-import shutil
 import subprocess
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
+from helpers import (
+    ANSIBLE,
+    PLAYBOOKS,
+    REPO,
+    ROLES,
+    fixture_vars,
+    local_inventory,
+    needs_ansible,
+    playbook,
+    run,
+    tool,
+)
 
 from bwstack.errors import BwstackError, UsageError
 from bwstack.fleet import playbooks
-
-REPO = Path(__file__).resolve().parents[2]
-ANSIBLE = REPO / "ansible"
-PLAYBOOKS = ["provision.yml", "rollback.yml", "verify.yml"]
-ROLES = sorted(p.name for p in (ANSIBLE / "roles").iterdir() if p.is_dir())
-RECAP = re.compile(
-    r"^(?P<host>\S+)\s+:\s+ok=(?P<ok>\d+)\s+changed=(?P<changed>\d+)\s+unreachable=(?P<unreachable>\d+)\s+"
-    r"failed=(?P<failed>\d+)\s+skipped=(?P<skipped>\d+)\s+rescued=(?P<rescued>\d+)\s+ignored=(?P<ignored>\d+)",
-    re.M,
-)
-
-
-# ------------------------------------------------------------------------------------------------ helpers
-
-
-def tool(name: str) -> str | None:
-    beside = Path(sys.executable).parent / name
-    return str(beside) if beside.is_file() else shutil.which(name)
-
-
-def env() -> dict:
-    return {
-        **os.environ,
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-        "ANSIBLE_CONFIG": str(ANSIBLE / "ansible.cfg"),
-        "ANSIBLE_NOCOLOR": "1",
-        "ANSIBLE_FORCE_COLOR": "0",
-        # These tests read Ansible's own lines (tasks, debug messages, the recap) from `bwstack provision`.
-        "BWSTACK_ANSIBLE_OUTPUT": "stream",
-    }
-
-
-@dataclass
-class Run:
-    cmd: list[str]
-    rc: int
-    out: str
-    seconds: float
-
-    @property
-    def recap(self) -> dict[str, dict[str, int]]:
-        return {
-            m["host"]: {k: int(v) for k, v in m.groupdict().items() if k != "host"} for m in RECAP.finditer(self.out)
-        }
-
-    def changed(self, host: str = "localhost") -> int:
-        return self.recap[host]["changed"]
-
-    def tail(self, lines: int = 60) -> str:
-        return "\n".join(self.out.splitlines()[-lines:])
-
-    def ok(self) -> Run:
-        assert self.rc == 0, f"{' '.join(self.cmd)} failed ({self.rc}):\n{self.tail(120)}"
-        return self
-
-
-def run(cmd: list[str], log: Path | None = None, timeout: int = 1800) -> Run:
-    """Run from ansible/ (so ansible-lint finds its .ansible-lint), output merged and, with `log`, written there
-    as it comes (a long provision can be followed with tail -f)."""
-    started = time.perf_counter()
-    lines: list[str] = []
-    sink = None
-    if log is not None:
-        log.parent.mkdir(parents=True, exist_ok=True)
-        sink = log.open("w")
-        sink.write(f"$ {' '.join(cmd)}\n")
-    with subprocess.Popen(
-        cmd, env=env(), cwd=ANSIBLE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    ) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if sink is not None:
-                sink.write(line)
-                sink.flush()
-            if time.perf_counter() - started > timeout:
-                proc.kill()
-                lines.append(f"(killed after {timeout} s)\n")
-                break
-        rc = proc.wait()
-    result = Run(list(cmd), rc, "".join(lines), time.perf_counter() - started)
-    if sink is not None:
-        sink.write(f"# rc={result.rc} seconds={result.seconds:.1f}\n")
-        sink.close()
-    return result
-
-
-def bwstack_cli(lock: Path, *args: str, log: Path | None = None, timeout: int = 1800) -> Run:
-    return run([sys.executable, "-m", "bwstack", "--lock", str(lock), *args], log=log, timeout=timeout)
-
-
-def playbook(
-    name: str, inventory: Path, variables: dict, *flags: str, log: Path | None = None, timeout: int = 1800
-) -> Run:
-    vars_file = (log or inventory).with_suffix(".vars.json")
-    vars_file.parent.mkdir(parents=True, exist_ok=True)
-    vars_file.write_text(json.dumps(variables, indent=2))
-    cmd = [
-        tool("ansible-playbook") or "ansible-playbook",
-        str(ANSIBLE / name),
-        "-i",
-        str(inventory),
-        "-e",
-        f"@{vars_file}",
-        *flags,
-    ]
-    return run(cmd, log=log, timeout=timeout)
-
-
-def local_inventory(path: Path, hosts: dict[str, dict] | None = None) -> Path:
-    """Hosts that are all this machine (connection=local), each with its own variables."""
-    python = playbooks.local_python()
-    hosts = hosts or {"localhost": {}}
-    body = {
-        name: {"ansible_connection": "local", "ansible_python_interpreter": python, **hv} for name, hv in hosts.items()
-    }
-    path.write_text(yaml.safe_dump({"all": {"children": {"bwstack_nodes": {"hosts": body}}}}))
-    return path
-
-
-def generations(root: Path, ml_env: Path) -> list[dict]:
-    out = subprocess.run(
-        [sys.executable, "-m", "bwstack", "generations", "--root", str(root), "--ml-env", str(ml_env), "--json"],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    return json.loads(out.stdout)
-
-
-def active(root: Path, ml_env: Path) -> dict | None:
-    return next((g for g in generations(root, ml_env) if g["active"]), None)
-
-
-needs_ansible = pytest.mark.skipif(tool("ansible-playbook") is None, reason="ansible-playbook is not installed")
-
 
 # ------------------------------------------------------------------------------------------------ static
 
@@ -441,24 +315,6 @@ def fakestack_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = tmp_path_factory.mktemp("ansible-fakestack")
     fakestack.make_stack(base)
     return base
-
-
-def fixture_vars(stack: Path, node: Path, **more) -> dict:
-    return {
-        "bwstack_lock": str(stack / "stack.lock.yaml"),
-        "bwstack_root": str(node / "root"),
-        "bwstack_ml_env": str(node / "ml-env"),
-        "bwstack_cuda_link": "none",
-        "bwstack_cuda_method": "none",
-        "bwstack_wheelhouse": [str(stack / "wheelhouse")],
-        "bwstack_offline": True,
-        "bwstack_preflight_allow_no_gpu": True,
-        "bwstack_preflight_min_free_gb": 1,
-        "bwstack_controller_cache": str(stack / "controller-cache"),
-        "bwstack_tool_offline": False,  # bwstack's own dependencies from PyPI (the flow test installs them offline)
-        "bwstack_tool_wrapper": "",  # never this machine's /usr/local/bin
-        **more,
-    }
 
 
 @needs_ansible

@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_ansible import REPO, Run, active, bwstack_cli, fixture_vars, generations, needs_ansible, playbook, run
-from test_ansible import local_inventory as make_inventory
+from helpers import REPO, Run, active, bwstack_cli, fixture_vars, generations, needs_ansible, playbook, run
+from helpers import local_inventory as make_inventory
 
 pytestmark = [pytest.mark.ansible, pytest.mark.network, needs_ansible]
 

@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_ansible import REPO, Run, active, bwstack_cli, local_inventory, needs_ansible, playbook
+from helpers import REPO, Run, active, bwstack_cli, local_inventory, needs_ansible, playbook
 
 pytestmark = [pytest.mark.slow, pytest.mark.ansible, pytest.mark.network, needs_ansible]
 

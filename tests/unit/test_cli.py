@@ -6,7 +6,7 @@ import json
 
 import pytest
 import yaml
-from conftest import REAL_LOCK, bwstack, needs_py312
+from helpers import REAL_LOCK, bwstack, needs_py312
 
 from bwstack.lock.model import load_lock
 from bwstack.lock.requirements import parse, render, render_layers

@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import MACHINES, REAL_LOCK, bwstack, needs_py312
+from helpers import MACHINES, REAL_LOCK, bwstack, needs_py312
 
 from fixtures import fakestack
 

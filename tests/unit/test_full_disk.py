@@ -9,7 +9,7 @@ import os
 import subprocess
 
 import pytest
-from conftest import bwstack, needs_py312
+from helpers import bwstack, needs_py312
 
 from fixtures import fakestack
 

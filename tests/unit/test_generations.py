@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import needs_py312
+from helpers import needs_py312
 
 from bwstack.store.generations import Layout, Store
 from bwstack.store.record import GenerationRecord

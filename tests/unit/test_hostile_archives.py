@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import zstandard
-from conftest import bwstack, needs_py312
+from helpers import bwstack, needs_py312
 
 from bwstack.store.generations import Layout, Store
 from fixtures import fakestack

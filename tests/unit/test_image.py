@@ -33,7 +33,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import REAL_LOCK, REPO, bwstack, needs_py312
+from helpers import REAL_LOCK, REPO, bwstack, needs_py312
 
 from bwstack.errors import BwstackError, HashMismatchError, UsageError
 from bwstack.image import bench, context, daemon, scan

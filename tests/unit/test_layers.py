@@ -131,3 +131,25 @@ def test_an_upward_import_is_reported_even_inside_a_function():
     """The checker can fail: a lazy import of the CLI from the store is caught like a top-level one."""
     assert upward("store", [(2, "bwstack.cli.main")]) == ["line 2: bwstack.cli.main (cli is above store)"]
     assert upward("cli", [(2, "bwstack.store.generations")]) == []
+
+
+def test_no_test_module_imports_another_test_module_or_conftest():
+    """Shared test code lives in helpers.py (and fixtures/): a test module importing another runs its tests'
+    module-level code twice and hides what is shared."""
+    tests = Path(__file__).parent
+    offenders = []
+    for path in sorted(tests.glob("*.py")):
+        for _line, module in ast_imports_of(path):
+            if module == "conftest" or module.startswith("test_"):
+                offenders.append(f"{path.name} imports {module}")
+    assert not offenders, "\n".join(offenders)
+
+
+def ast_imports_of(path: Path) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and not node.level:
+            found.append((node.lineno, node.module or ""))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+    return found

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REAL_LOCK, bwstack
+from helpers import REAL_LOCK, bwstack
 
 from bwstack.cli.main import main
 from bwstack.errors import LockError

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import bwstack
+from helpers import bwstack
 
 
 def _fake_smi(tmp_path: Path, rows: list[str]) -> dict:
@@ -131,7 +131,7 @@ def test_a_run_that_builds_nothing_needs_no_free_disk_margin(tmp_path):
 def _node_facts_preflight(machine: str, profile: str = "cu130"):
     """Preflight with the driver and PCIe facts read from a TEST FIXTURE machine description (the rest of the
     checks read this machine, which has no GPU: allowed, as for CPU-only targets)."""
-    from conftest import MACHINES, REAL_LOCK
+    from helpers import MACHINES, REAL_LOCK
 
     from bwstack.lock.model import load_lock
     from bwstack.probe import preflight

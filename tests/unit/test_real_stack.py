@@ -13,7 +13,7 @@ import shutil
 import subprocess
 
 import pytest
-from conftest import needs_py312
+from helpers import needs_py312
 
 pytestmark = [pytest.mark.slow, pytest.mark.network, needs_py312]
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, needs_py312
+from helpers import REPO, needs_py312
 
 from bwstack.provision.build import rollback_target
 from bwstack.store.generations import Layout, Store

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import needs_py312
+from helpers import needs_py312
 
 from bwstack.store.generations import Layout, Store
 from fixtures import fakestack

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import needs_py312
+from helpers import needs_py312
 
 from bwstack.probe import main as probe
 from bwstack.probe import sealed

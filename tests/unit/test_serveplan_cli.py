@@ -9,7 +9,7 @@ import sys
 import zipfile
 
 import pytest
-from conftest import REAL_LOCK, bwstack
+from helpers import REAL_LOCK, bwstack
 
 from bwstack.cli.main import main
 from bwstack.fleet import probe_bundle

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import needs_py312
+from helpers import needs_py312
 
 from bwstack.probe import envinspect, fatbin
 from bwstack.probe.serveplan import node

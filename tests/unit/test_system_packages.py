@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REAL_LOCK
-from test_ansible import local_inventory, needs_ansible, playbook
+from helpers import REAL_LOCK, local_inventory, needs_ansible, playbook
 
 from bwstack.errors import UsageError
 from bwstack.lock.model import NoSystemPackages, load_lock, system_packages_for

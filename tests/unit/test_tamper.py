@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import needs_py312
+from helpers import needs_py312
 
 from bwstack.store.generations import Layout, Store
 

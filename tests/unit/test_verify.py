@@ -9,7 +9,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import needs_py312
+from helpers import needs_py312
 
 pytestmark = needs_py312
 
