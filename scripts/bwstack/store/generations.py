@@ -35,6 +35,7 @@ import stat
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
+from importlib import resources
 from pathlib import Path
 
 from bwstack import paths
@@ -807,52 +808,14 @@ def remove_tree(path: Path) -> None:
         os.unlink(path)
 
 
-HOOK_SOURCE = '''"""Written by bwstack into generation {name} (do not edit; part of its manifest).
-
-Pins this process to the generation it started in (so a switch never changes the code a running server
-imports later, nor the interpreter its workers start with), and points CUDA_HOME at this generation's own
-toolkit unless the user chose another one: FlashInfer's JIT compiles with $CUDA_HOME/bin/nvcc. Stops
-Python from writing bytecode into the sealed generation (root ignores read-only bits): the bytecode it
-needs was compiled when it was built and is part of its manifest.
-"""
-
-import os
-import sys
-
-sys.dont_write_bytecode = True
-
-
-def _pin() -> None:
-    prefix = sys.prefix
-    real = os.path.realpath(prefix)
-    if real != prefix:
-        sys.path[:] = [real + p[len(prefix):] if p == prefix or p.startswith(prefix + os.sep) else p for p in sys.path]
-        if sys.executable.startswith(prefix + os.sep):
-            sys.executable = real + sys.executable[len(prefix):]
-    generation = os.path.dirname(real)
-    cuda = os.path.join(generation, "cuda")
-    os.environ["BWSTACK_GENERATION"] = os.path.basename(generation)
-    if not os.path.isdir(cuda):
-        return
-    root = os.path.dirname(os.path.dirname(generation))
-    chosen = os.environ.get("CUDA_HOME", "")
-    managed = not chosen or chosen.startswith(root + os.sep)
-    if not managed and os.path.islink(chosen):
-        managed = os.readlink(chosen).startswith(root + os.sep)
-    if managed:
-        os.environ["CUDA_HOME"] = os.path.realpath(cuda)
-
-
-try:
-    _pin()
-except Exception:  # never break interpreter start-up
-    pass
-'''
 
 
 def write_hook(env: Path, name: str) -> None:
     sp = envinspect.site_packages(env)
-    (sp / HOOK_MODULE).write_text(HOOK_SOURCE.format(name=name))
+    # The hook is a real module of bwstack's (store/generation_hook.py: linted and read like any other code),
+    # copied in with a first line that names the generation for whoever opens the file.
+    source = resources.files("bwstack.store").joinpath("generation_hook.py").read_text(encoding="utf-8")
+    (sp / HOOK_MODULE).write_text(f"# bwstack generation {name}\n{source}")
     (sp / HOOK_PTH).write_text("import _bwstack_generation\n")
 
 
