@@ -240,3 +240,20 @@ def test_a_host_whose_key_is_not_in_the_known_hosts_file_is_refused_in_one_line(
     (line,) = _one_line_per_host(result)
     assert line.startswith(f"root@127.0.0.1:{port}: not checked: unreachable: ")
     assert "Host key verification failed" in line
+
+
+def test_verify_without_pytest_testinfra_is_one_line_not_an_internal_error():
+    """A Python without testinfra (a GPU host's own venv running bwstack from a checkout) is told what to install."""
+    import subprocess
+    import sys
+
+    hide_testinfra = (
+        "import importlib.util, sys\n"
+        "found = importlib.util.find_spec\n"
+        "importlib.util.find_spec = lambda name, *a: None if name == 'testinfra' else found(name, *a)\n"
+        "from bwstack.cli.main import main\n"
+        "sys.exit(main(['verify', '--no-runtime']))"
+    )
+    result = subprocess.run([sys.executable, "-c", hide_testinfra], capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().count("\n") == 0 and "pytest-testinfra" in result.stderr

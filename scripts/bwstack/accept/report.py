@@ -174,7 +174,7 @@ class AcceptReport:
             else:
                 r = run.result
                 if r.world < 2:
-                    lines.append("ALL-REDUCE: 1 rank: NCCL initialised, sum correct; no bus traffic (needs two GPUs)")
+                    lines.append("ALL-REDUCE: 1 rank: NCCL set up, sum correct; no bus traffic (needs two GPUs)")
                     return lines
                 lines.append(
                     f"ALL-REDUCE: {r.world} ranks, {r.bytes / 2**20:.0f} MiB each, {r.seconds * 1e3:.1f} ms: "

@@ -227,6 +227,17 @@ def _tools_on_path(workdir: Path):
         os.environ["PATH"] = old_path
 
 
+def require_testinfra() -> None:
+    """The checks are pytest-testinfra tests: without it pytest would fail deep inside its plugin loading."""
+    import importlib.util
+
+    if importlib.util.find_spec("testinfra") is None:
+        raise UsageError(
+            "the node checks need pytest-testinfra, which is not installed beside this bwstack: install bwstack "
+            "with its dependencies (scripts/bootstrap.sh, or pip install bwstack)"
+        )
+
+
 def _run_host(host: _Host, env: str | None, **options) -> HostReport:
     """Reach the host, then run the checks in a pytest session of its own."""
     cause = _reach(host.spec, env)
@@ -385,6 +396,7 @@ def check_hosts(
 ) -> list[HostReport]:
     """Every host of every target, each in its own session; a host that cannot be checked is a one-line
     report, never an exception."""
+    require_testinfra()
     ssh = ssh or hostspec.SshOptions()
     options = dict(
         lock_path=lock_path, profile=profile, capability=capability, runtime=runtime, facts_dir=facts_dir,
@@ -418,6 +430,7 @@ def run_checks(
 ) -> list[CheckResult]:
     """One testinfra host spec (what `bwstack image verify` and the benchmarks use), reported as `label`
     (default: the spec); a host that cannot be checked is one BwstackError line."""
+    require_testinfra()
     label = label or (target.removesuffix("://") if target.startswith("local://") else target)
     with tempfile.TemporaryDirectory(prefix="bwstack-verify-") as tmp, _tools_on_path(Path(tmp)):
         report = _run_host(
