@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import needs_py312
 
+from bwstack.fsutil import sha256_file
 from bwstack.probe import main as probe
 from bwstack.probe import sealed
 from bwstack.store import manifest
@@ -71,7 +72,7 @@ def test_a_built_generation_records_its_static_facts_under_its_manifest(built):
     facts = gen / sealed.FACTS_NAME
     assert facts.is_file() and not os.stat(facts).st_mode & 0o222, "facts.json is sealed read-only"
     rows = manifest.read(gen / manifest.MANIFEST_NAME).by_path()
-    assert sealed.FACTS_NAME in rows and rows[sealed.FACTS_NAME].sha256 == manifest.hash_file(facts)
+    assert sealed.FACTS_NAME in rows and rows[sealed.FACTS_NAME].sha256 == sha256_file(facts)
     doc = json.loads(facts.read_text())
     assert doc["capability"] == CAPABILITY and set(doc["facts"]) == set(sealed.STATIC_KEYS)
     static, why = sealed.load_static(built.ml_env, CAPABILITY)
