@@ -100,6 +100,11 @@ class Run:
             m["host"]: {k: int(v) for k, v in m.groupdict().items() if k != "host"} for m in RECAP.finditer(self.out)
         }
 
+    @property
+    def last_line(self) -> str:
+        lines = [line for line in self.out.splitlines() if line.strip()]
+        return lines[-1] if lines else ""
+
     def changed(self, host: str = "localhost") -> int:
         return self.recap[host]["changed"]
 

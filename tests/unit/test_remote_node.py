@@ -29,8 +29,9 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import Run
 
-from fixtures.remote_node import REPO, Node, Run, build_image, logged, why_no_node_image
+from fixtures.remote_node import REPO, Node, build_image, logged, why_no_node_image
 
 ANSIBLE = REPO / "ansible"
 CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"  # the node's system bundle, which holds the site's CA

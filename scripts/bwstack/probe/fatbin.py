@@ -257,3 +257,20 @@ __all__ = [
     "runs_on",
     "summary",
 ]
+
+
+def coverage(path: str | os.PathLike, capability: str) -> dict:
+    """What a library carries for `capability`, as the probe reports it: its summary, whether its device code
+    covers the capability (and why not), or the error that kept it from being read."""
+    try:
+        found = entries(path)
+    except (NotElfError, FatbinError, OSError) as exc:
+        return {"path": str(path), "error": str(exc)}
+    ok, reason = covers(found, capability)
+    return {
+        "path": str(path),
+        "summary": summary(path),
+        "covers": ok,
+        "reason": reason,
+        "has_device_code": any(not e.relocatable for e in found),
+    }

@@ -288,18 +288,7 @@ def elf_facts(env: Path, sp: Path, torch_version: dict) -> dict:
 
 
 def _fatbin_summary(path: Path, capability: str) -> dict:
-    try:
-        found = fatbin.entries(path)
-    except (elfscan.NotElfError, fatbin.FatbinError, OSError) as exc:
-        return {"path": str(path), "error": str(exc)}
-    ok, reason = fatbin.covers(found, capability)
-    return {
-        "path": str(path),
-        "summary": fatbin.summary(path),
-        "covers": ok,
-        "reason": reason,
-        "has_device_code": any(not e.relocatable for e in found),
-    }
+    return fatbin.coverage(path, capability)
 
 
 def _cubin_arch(path: Path) -> str | None:

@@ -81,22 +81,6 @@ def _torch_record(env: Path) -> dict:
     return {} if "error" in facts else facts
 
 
-def _cuda_home_guess(profile_home: str | None) -> str | None:
-    for candidate in (
-        os.environ.get("CUDA_HOME"),
-        profile_home,
-        shutil.which("nvcc") and str(Path(shutil.which("nvcc")).resolve().parents[1]),
-    ):
-        if candidate and Path(candidate, "bin").is_dir():
-            return str(Path(candidate).resolve())
-    return profile_home
-
-
-def _torch_record(env: Path) -> dict:
-    facts = envinspect.import_torch(env)
-    return {} if "error" in facts else facts
-
-
 def _prefixed(entries: list[manifest.Entry], prefix: str) -> list[manifest.Entry]:
     """Entries of a tree rooted at `prefix` inside a generation ("." becomes `prefix`)."""
     from dataclasses import replace

@@ -219,16 +219,14 @@ def run_inenv(env: Path, device: Device, requests: list[Request], timeout: int =
 
 
 def _coverage(path: Path, capability: str) -> dict:
-    try:
-        found = fatbin.entries(path)
-    except (elfscan.NotElfError, fatbin.FatbinError, OSError) as exc:
-        return {"path": str(path), "error": str(exc)}
-    ok, reason = fatbin.covers(found, capability)
-    summary = fatbin.summary(path)
+    found = fatbin.coverage(path, capability)
+    if "error" in found:
+        return found
+    summary = found["summary"]
     return {
-        "path": str(path),
-        "covers": ok,
-        "reason": reason,
+        "path": found["path"],
+        "covers": found["covers"],
+        "reason": found["reason"],
         "cubins": summary["cubins"],
         "ptx": summary["ptx"],
         "relocatable": summary["relocatable"],
