@@ -87,11 +87,13 @@ def test_the_same_env_checked_against_cu130_fails_with_specific_messages(real):
 
 @pytest.fixture
 def twin_env(real, tmp_path):
-    """A hard-link copy of the active generation (cp -al): changes to it replace files, never the original."""
+    """A hard-link copy of the active generation (cp -al): changes to it replace files, never the original.
+    Only the copy's directories are made writable (they are its own; its files share their inodes, and so
+    their modes, with the sealed generation, whose manifest records them)."""
     src = real.store.active().env
     dest = tmp_path / "twin"
     subprocess.run(["cp", "-al", str(src), str(dest)], check=True)
-    subprocess.run(["chmod", "-R", "u+w", str(dest)], check=True)
+    subprocess.run(["find", str(dest), "-type", "d", "-exec", "chmod", "u+w", "{}", "+"], check=True)
     yield dest
     shutil.rmtree(dest, ignore_errors=True)
     assert real.store.active().verify("quick") == [], "the generation the twin was copied from is untouched"
