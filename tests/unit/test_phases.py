@@ -98,6 +98,24 @@ def test_one_line_per_phase_with_its_time_and_the_builds_own_phases():
     assert lines[-1] == "total 50.5 s"
 
 
+def test_the_shared_roles_tasks_count_in_the_role_that_pulled_them_in():
+    """Every role depends on `bwstack`: its tasks come between a role's own (argument check, controller facts,
+    the role's work), as in a real run; the role's phase is still one line with all its tasks."""
+    events = _events(build=BUILD)
+    first_preflight = next(i for i, e in enumerate(events) if e.get("role") == "bwstack_preflight")
+    shared = [
+        {"event": "task", "role": "bwstack", "name": "Read the lock (controller)", "t": events[first_preflight]["t"]},
+        {"event": "ok", "host": "localhost", "task": "Read the lock (controller)", "role": "bwstack", "result": {},
+         "t": events[first_preflight]["t"]},
+    ]  # fmt: skip
+    events[first_preflight + 2 : first_preflight + 2] = shared  # between preflight's two tasks
+    events[:0] = [dict(e, t=events[0]["t"]) for e in shared]  # and before any role, as its arguments are checked
+    _, lines = _report(events)
+    text = "\n".join(" ".join(line.split()) for line in lines)
+    assert [line.split()[0] for line in lines].count("preflight") == 1
+    assert "preflight 3.0 s (3 tasks)" in text and "other" not in text
+
+
 def test_a_converged_build_says_so_in_one_line():
     converged = {"actions": [], "timings": {"backup_s": 0.3, "total_s": 0.9}}
     _, lines = _report(_events(build=converged))

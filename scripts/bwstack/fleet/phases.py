@@ -32,6 +32,9 @@ PHASES: tuple[tuple[str, str, str], ...] = (
     ("bwstack_verify", "", "verify"),
     ("", "Gathering Facts", "facts"),
 )
+# Every role depends on this one (the shared settings and the controller facts): Ansible runs its tasks inside
+# the role that pulled it in, so they count there (before any role: start-up, like gathering facts).
+SHARED_ROLE = "bwstack"
 # The env build's own timings (bwstack build --json) -> phases.
 BUILD_TIMINGS = (
     ("fetch_s", "fetch"),
@@ -107,7 +110,10 @@ class PhaseReport:
         if kind == "task":
             self._close_task(now)
             role = event.get("role", "")
-            phase = phase_of(role, event.get("name", ""))
+            if role == SHARED_ROLE:
+                role, phase = self.role or "", self.current or "facts"
+            else:
+                phase = phase_of(role, event.get("name", ""))
             if self.role is not None and role != self.role:
                 self._print_role(self.role)
             self.role, self.current = role, phase
