@@ -23,36 +23,19 @@
 set -euo pipefail
 
 TAG="${BWSTACK_CI_NODE_TAG:-bwstack-ci-node:bookworm}"
-MIRROR="${BWSTACK_CI_MIRROR:-http://deb.debian.org/debian}"
 HOST_BUNDLE="${BWSTACK_CI_HOST_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}"
-PY_HOME="${BWSTACK_CI_PYTHON_HOME:-}"
-if [ -z "$PY_HOME" ]; then
-    PY_HOME="$(ls -d /root/.pyenv/versions/3.12.* 2>/dev/null | sort -V | tail -n 1 || true)"
-fi
+NAME=ci-node
+. "$(dirname "${BASH_SOURCE[0]}")/ci-lib.sh"
+ci_prepare "$TAG" "${1:-}"
 
-if [ "${1:-}" != "--rebuild" ] && docker image inspect "$TAG" >/dev/null 2>&1; then
-    echo "$TAG (reused)" >&2
-    echo "$TAG"
-    exit 0
-fi
-if [ -z "$PY_HOME" ] || [ ! -x "$PY_HOME/bin/python3.12" ]; then
-    echo "ci-node: no CPython 3.12 at ${PY_HOME:-/root/.pyenv/versions/3.12.*} (set BWSTACK_CI_PYTHON_HOME)" >&2
-    exit 2
-fi
-command -v debootstrap >/dev/null || { echo "ci-node: debootstrap is not installed (apt-get install debootstrap)" >&2; exit 2; }
-
-# The node's own packages, then the shared libraries the copied interpreter's extension modules link.
+# The node's own packages (the copied interpreter's libraries come with them).
 PACKAGES=openssh-server,python3,ca-certificates
-LIBS=libssl3,libffi8,libsqlite3-0,libbz2-1.0,liblzma5,zlib1g,libreadline8,libncursesw6,libtinfo6,libexpat1,libuuid1,libcrypt1,libnsl2,libtirpc3,libgdbm6
 
 work="$(mktemp -d /var/tmp/bwstack-ci-node.XXXXXX)"
 trap 'rm -rf "$work"' EXIT
 root="$work/rootfs"
 start=$(date +%s)
-debootstrap --variant=minbase --include="$PACKAGES,$LIBS" bookworm "$root" "$MIRROR" >"$work/debootstrap.log" 2>&1 || {
-    tail -n 30 "$work/debootstrap.log" >&2
-    exit 1
-}
+ci_debootstrap "$root" "$work" "$PACKAGES,$CI_PY_LIBS"
 
 # The site's CA: every certificate of this machine's bundle that Debian's own bundle lacks.
 python3 - "$HOST_BUNDLE" "$root/etc/ssl/certs/ca-certificates.crt" "$root/usr/local/share/ca-certificates" <<'EOF'
@@ -67,19 +50,8 @@ print(f"ci-node: {len(extra)} site CA certificate(s) from {host}", file=sys.stde
 EOF
 chroot "$root" update-ca-certificates >/dev/null
 
-# The profile's interpreter (see above), at the same path; its site-packages stays empty.
-rel="${PY_HOME#/}"
-lib="$rel/lib/python3.12"
-tar -C / \
-    --exclude="$lib/test" --exclude="$lib/idlelib" --exclude="$lib/tkinter" --exclude="$lib/turtledemo" \
-    --exclude="$lib/lib-dynload/_tkinter*" --exclude="$lib/site-packages/*" --exclude="$rel/bin/pip*" \
-    --exclude="$rel/bin/idle*" --exclude="$rel/bin/python3" --exclude="$rel/bin/python" -cf - "$rel" | tar -C "$root" -xf -
-missing="$(chroot "$root" /bin/sh -c "ldd $PY_HOME/bin/python3.12 $PY_HOME/lib/python3.12/lib-dynload/*.so" | grep 'not found' || true)"
-if [ -n "$missing" ]; then
-    echo "ci-node: libraries missing in the image: $missing" >&2
-    exit 1
-fi
-chroot "$root" "$PY_HOME/bin/python3.12" -c 'import ssl, ctypes, sqlite3, lzma, bz2, zlib, uuid, venv, ensurepip'
+# The profile's interpreter (see above), at the same path, not as python3 or python.
+ci_copy_python "$root" --exclude="${PY_HOME#/}/bin/python3" --exclude="${PY_HOME#/}/bin/python"
 case "$PY_HOME" in
     /root/.pyenv/versions/3.12.*) ;;  # where bwstack's interpreter search looks
     *) ln -sf "$PY_HOME/bin/python3.12" "$root/usr/local/bin/python3.12" ;;  # elsewhere: on PATH instead
@@ -107,7 +79,7 @@ exec /usr/sbin/sshd -D -e
 EOF
 chmod 0755 "$root/usr/local/sbin/bwstack-ci-node-start"
 
-rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/*.bin "$root"/var/cache/apt/archives/*.deb "$root"/tmp/*
+ci_strip "$root"
 version="$("$PY_HOME/bin/python3.12" -c 'import platform; print(platform.python_version())')"
 tar -C "$root" --numeric-owner -cf - . | docker import \
     --change 'LABEL io.bwstack.test-fixture="true"' \
