@@ -100,8 +100,10 @@ def test_a_node_that_stops_answering_mid_run_fails_it_within_a_bound_and_leaves_
     """The node is frozen (docker pause) once Ansible holds its shared SSH connection: keep-alive ends it."""
     tmpdir = tmp_path / "controller-tmp"
     tmpdir.mkdir()
+    # --min-free-gb 1: the node is frozen before anything is built; the host's free disk is not what this tests
+    # (a CI machine with under 25 GiB free refused the node at preflight, before the pause could happen).
     cmd = bwstack("provision", "--target", stalled.target, *stalled.ssh_options, "--profile", "cu128",
-                  "--allow-no-gpu", "--ca-bundle", CA_BUNDLE)  # fmt: skip
+                  "--allow-no-gpu", "--min-free-gb", "1", "--ca-bundle", CA_BUNDLE)  # fmt: skip
     proc = subprocess.Popen(
         cmd, env=controller_env(tmpdir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
