@@ -99,8 +99,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-
-
 @pytest.fixture(scope="session")
 def real(tmp_path_factory):
     """The real cu128 env built from the lock (slow tier): one build per session, shared by the slow tests.

@@ -64,6 +64,40 @@ def test_role_documents_every_default_in_its_argument_spec(role: str):
     assert all(name.startswith(f"{role}_") for name in defaults), "every variable carries the role's prefix"
 
 
+# What the converged fast path may leave out of its inputs digest: read only on the controller, by a rollback,
+# by verify (which runs on the fast path too), or derived from settings that are in it.
+NOT_IN_THE_RECEIPT = {
+    "bwstack_sources": "derived from bwstack_wheelhouse, _index, _offline, _ca_bundle, _allow_unhashed",
+    "bwstack_controller_bwstack": "how the controller runs bwstack",
+    "bwstack_controller_cache": "the controller's scratch directory",
+    "bwstack_controller_facts_args": "what a task asks the controller",
+    "bwstack_converged_check": "whether to ask at all",
+    "bwstack_mlenv_rollback_to": "rollback.yml only",
+    "bwstack_mlenv_rollback_profile": "rollback.yml only",
+    "bwstack_mlenv_rollback_rebuild": "rollback.yml only",
+    "bwstack_verify_profile": "verify, which runs on the fast path too",
+    "bwstack_verify_runtime": "verify, which runs on the fast path too",
+    "bwstack_verify_capability": "verify, which runs on the fast path too",
+    "bwstack_verify_require_acceptance": "verify, which runs on the fast path too",
+    "bwstack_verify_accept_timeout": "verify, which runs on the fast path too",
+    "bwstack_verify_remember_waivers": "verify, which runs on the fast path too",
+    "bwstack_verify_host_name": "verify, which runs on the fast path too",
+    "bwstack_verify_timeout": "verify, which runs on the fast path too",
+}
+
+
+def test_the_receipt_digests_every_role_setting_that_shapes_a_node():
+    """A setting missing from bwstack_receipt_settings would let a changed value pass as converged."""
+    declared = set()
+    for role in ROLES:
+        specs = yaml.safe_load((ANSIBLE / "roles" / role / "meta" / "argument_specs.yml").read_text())
+        declared |= {name for entry in specs["argument_specs"].values() for name in entry["options"]}
+    digested = yaml.safe_load((ANSIBLE / "roles" / "bwstack" / "vars" / "main.yml").read_text())
+    settings = set(digested["bwstack_receipt_settings"])
+    assert declared - settings == set(NOT_IN_THE_RECEIPT), sorted((declared - settings) ^ set(NOT_IN_THE_RECEIPT))
+    assert settings <= declared, f"not a setting of any role: {sorted(settings - declared)}"
+
+
 @pytest.mark.parametrize("role", ROLES)
 def test_role_has_defaults_meta_and_tasks(role: str):
     base = ANSIBLE / "roles" / role

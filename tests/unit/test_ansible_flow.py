@@ -113,6 +113,10 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Node:
     n.provision("first", "fixture-new")
     n.provision("rerun", "fixture-new")
     n.provision("check", "fixture-new", "--check", "--diff")
+    n.provision("full", "fixture-new", "--full")
+    lock_copy = n.root / "stack.lock.yaml"
+    lock_copy.write_text(lock_copy.read_text() + "# edited on the node\n")
+    n.provision("edited", "fixture-new")
     n.provision("other", "fixture-old", "--diff")
     n.provision("failing", "fixture-new", waivers=False)
     n.rollback("rollback")
@@ -135,6 +139,27 @@ def test_converged_rerun_reports_no_change(node: Node):
     run = node.runs["rerun"].ok()
     assert run.changed() == 0, run.tail(200)
     print(f"converged fixture re-run: {run.seconds:.1f} s")
+
+
+def test_converged_rerun_skips_the_roles_that_change_nothing_and_still_verifies(node: Node):
+    run = node.runs["rerun"].ok()
+    assert "converged (provisioned from these inputs; 0000-fixture-new" in run.out
+    assert "is fit for profile" not in run.out  # the preflight's verdict: it did not run
+    assert "every check passed or was skipped with a reason" in run.out
+
+
+def test_full_runs_every_role_on_a_converged_node_and_changes_nothing(node: Node):
+    run = node.runs["full"].ok()
+    assert "every role runs: bwstack_converged_check is false (--full)" in run.out
+    assert "localhost is fit for profile fixture-new" in run.out
+    assert run.changed() == 0, run.tail(200)
+
+
+def test_a_node_whose_files_changed_since_the_last_run_runs_every_role_and_is_put_back(node: Node):
+    run = node.runs["edited"].ok()
+    assert f"every role runs: {node.root / 'stack.lock.yaml'} changed since the last provision run" in run.out
+    assert run.changed() > 0
+    assert "# edited on the node" not in (node.root / "stack.lock.yaml").read_text()
 
 
 def test_check_mode_on_a_converged_node_reports_no_change(node: Node):

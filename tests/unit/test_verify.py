@@ -153,8 +153,17 @@ def test_a_host_without_python3_is_one_line(stack, tmp_path):
     assert line.endswith(f"(local): not checked: {want}; install python3")
 
 
+def _docker_daemon_answers() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=30).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
 @pytest.mark.docker
-@pytest.mark.skipif(shutil.which("docker") is None, reason="the docker CLI is not installed")
+@pytest.mark.skipif(not _docker_daemon_answers(), reason="no Docker daemon (start dockerd)")
 def test_a_container_that_does_not_exist_is_one_line(stack):
     result = stack.run("verify", "--no-runtime", "--target", "docker://bwstack-no-such-container")
     (line,) = _one_line_per_host(result)

@@ -33,8 +33,10 @@ PHASES: tuple[tuple[str, str, str], ...] = (
     ("", "Gathering Facts", "facts"),
 )
 # Every role depends on this one (the shared settings and the controller facts): Ansible runs its tasks inside
-# the role that pulled it in, so they count there (before any role: start-up, like gathering facts).
+# the role that pulled it in, so they count there; its converged check (tasks/converged.yml, each task named
+# "Converged check - ...") is a phase of its own.
 SHARED_ROLE = "bwstack"
+CONVERGED_PHASE = "converged check"
 # The env build's own timings (bwstack build --json) -> phases.
 BUILD_TIMINGS = (
     ("fetch_s", "fetch"),
@@ -83,6 +85,7 @@ class Phase:
     work: float = 0.0  # of which the commands' own run time (the rest is Ansible's per-task cost)
     tasks: int = 0
     changed: int = 0
+    skipped: int = 0  # task results that were skips (a converged node skips whole roles)
     note: str = ""
 
 
@@ -110,7 +113,9 @@ class PhaseReport:
         if kind == "task":
             self._close_task(now)
             role = event.get("role", "")
-            if role == SHARED_ROLE:
+            if role == SHARED_ROLE and event.get("name", "").lower().startswith(CONVERGED_PHASE):
+                phase = CONVERGED_PHASE
+            elif role == SHARED_ROLE:
                 role, phase = self.role or "", self.current or "facts"
             else:
                 phase = phase_of(role, event.get("name", ""))
@@ -131,6 +136,8 @@ class PhaseReport:
             phase = self.phases.get(self.task_phase or "")
             if phase is not None and result.get("changed"):
                 phase.changed += 1
+            if phase is not None and kind == "skipped":
+                phase.skipped += 1
             if kind == "ok" and phase is not None and phase.name == "build":
                 self._read_build(result.get("result"))
             if kind in ("failed", "unreachable") and not event.get("ignore_errors"):
@@ -188,7 +195,10 @@ class PhaseReport:
                           f"{'; '.join(actions) if actions else 'nothing to build (converged)'}")  # fmt: skip
             return
         changed = f", {phase.changed} changed" if phase.changed else ""
-        self.emit(f"  {name:<17} {_fmt(phase.seconds):>8}  ({phase.tasks} tasks{changed})")
+        skipped = (
+            ", all skipped" if phase.skipped >= phase.tasks else f", {phase.skipped} skipped" if phase.skipped else ""
+        )
+        self.emit(f"  {name:<17} {_fmt(phase.seconds):>8}  ({phase.tasks} tasks{changed}{skipped})")
 
     def _work(self, phase: Phase) -> float:
         """The time a phase's own work took: the build's own total, a command's run time, else the wall time."""

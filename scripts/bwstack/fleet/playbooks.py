@@ -205,6 +205,7 @@ def controller_facts(
         }
     facts: dict = {
         "lock": str(Path(lock.path).resolve()),
+        "lock_sha256": sha256_file(Path(lock.path)),
         "default_profile": lock.profile_name(None),
         "rollback_profile": lock.rollback_profile,
         "system_packages": {os_id: list(pkgs) for os_id, pkgs in lock.system_packages.items()},
@@ -483,6 +484,7 @@ def run_provision(
     cuda_method: str | None = None,
     allow_no_gpu: bool = False,
     min_free_gb: float | None = None,
+    full: bool = False,
 ) -> int:
     """provision.yml on the targets. What is not given is left to the inventory (and the roles' defaults:
     no profile means the lock's default_profile, resolved by the roles through controller-facts)."""
@@ -495,6 +497,8 @@ def run_provision(
         extra["bwstack_preflight_allow_no_gpu"] = True
     if min_free_gb is not None:
         extra["bwstack_preflight_min_free_gb"] = min_free_gb
+    if full:
+        extra["bwstack_converged_check"] = False
     return run_playbook("provision.yml", settings, extra)
 
 

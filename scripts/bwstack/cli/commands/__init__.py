@@ -39,6 +39,7 @@ COMMANDS = (
     "serve_plan",
     "verify",
     "waivers",
+    "receipt",
     "system_packages",
 )
 

@@ -31,6 +31,11 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--min-free-gb", type=float, help="free disk the preflight requires at the store for a build (default 25)"
     )
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="run every role even on a node that is as the last run from the same inputs left it (which only verifies)",
+    )
     options.add_store(p, on_targets=True)
     options.add_sources(p, on_targets=True)
     options.add_waivers(p)
@@ -47,4 +52,5 @@ def run(args: argparse.Namespace) -> int:
         cuda_method=args.cuda_method,
         allow_no_gpu=args.allow_no_gpu,
         min_free_gb=args.min_free_gb,
+        full=args.full,
     )

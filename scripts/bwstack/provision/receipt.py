@@ -1,0 +1,189 @@
+"""The provision receipt: what a node was last provisioned from, and what that run left on it.
+
+A full provision run that verified ends by writing `<root>/provisioned.json`: the digest of the run's inputs
+(the controller's lock and bwstack wheel, and every role setting that shapes the node, digested by the play)
+and a fingerprint of each thing the run made: the active generation (its link, and its tree against the
+facts sealed with it), the env and CUDA links, and the files and directories the play names (the node's lock
+copy, the tool venv's wheel record, the PATH wrapper, the CUDA toolkit, the package database, the
+remembered waivers).
+
+The next run asks first (`bwstack receipt --check`). Same inputs and every fingerprint unchanged: no role
+could change anything, so the play goes straight to verify, which still checks the node for real. Anything
+else (another lock, wheel or setting, an apt run, a moved link, a touched file, a drifted generation, a
+missing or unreadable receipt) and every role runs as before. The fingerprints over-approximate on purpose:
+a false "changed" costs one full run; a false "converged" would hide a change.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from bwstack.errors import BwstackError, UsageError
+from bwstack.fsutil import sha256_file
+from bwstack.probe import sealed
+from bwstack.store.generations import Layout, Store
+
+NAME = "provisioned.json"
+FORMAT = 1
+MAX_BYTES = 1 << 20
+HASHED_FILE_LIMIT = 64 << 20  # larger files are fingerprinted by their stat, not their bytes
+DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    converged: bool
+    why: str  # what differs, or what matched
+    receipt: str
+
+    def as_dict(self) -> dict:
+        return {"converged": self.converged, "why": self.why, "receipt": self.receipt}
+
+
+def check_inputs_digest(value: str) -> str:
+    if not DIGEST_RE.match(value):
+        raise UsageError(f"--inputs {value!r}: not a sha256 digest (64 lowercase hex characters)")
+    return value
+
+
+def _watched(paths: list[str]) -> list[str]:
+    for path in paths:
+        if not os.path.isabs(path):
+            raise UsageError(f"--watch {path!r}: give an absolute path")
+    return sorted(set(paths))
+
+
+def _link(path: Path | None) -> str:
+    if path is None:
+        return "none"
+    try:
+        return "l:" + os.readlink(path)
+    except FileNotFoundError:
+        return "absent"
+    except OSError as exc:
+        return "not a link" if exc.errno == errno.EINVAL else f"unreadable: {exc.strerror}"
+
+
+def fingerprint(path: str, *, follow: bool = True) -> str:
+    """What is at `path`: a link's target (and what it resolves to), a file's bytes (its stat when large), a
+    directory's whole tree without following links in it (kind, inode, size, mtime, mode and owner of every
+    path: sealed.tree_stamp)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "absent"
+    except OSError as exc:
+        return f"unreadable: {exc.strerror}"
+    owner = f"{stat.S_IMODE(st.st_mode):o} {st.st_uid} {st.st_gid}"
+    if stat.S_ISLNK(st.st_mode):
+        # read, never written through: what the link names is part of what the run saw (/etc/os-release)
+        target = "l:" + os.readlink(path)
+        return target + " -> " + fingerprint(os.path.realpath(path), follow=False) if follow else target
+    if stat.S_ISDIR(st.st_mode):
+        return f"d:{owner}:" + ":".join(sealed.tree_stamp(Path(path)))
+    if stat.S_ISREG(st.st_mode) and st.st_size <= HASHED_FILE_LIMIT:
+        try:
+            return f"f:{owner}:" + sha256_file(Path(path))
+        except OSError as exc:
+            return f"unreadable: {exc.strerror}"
+    return f"s:{owner}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def observe(layout: Layout, watch: list[str]) -> tuple[dict[str, str], str | None]:
+    """The node's fingerprints, and why the active generation cannot be trusted unchanged (None: it can)."""
+    items = {
+        "current": _link(layout.current),
+        "ml-env": _link(layout.ml_env),
+        "cuda-link": _link(layout.cuda_link),
+    }
+    problem = Store(layout, log=lambda _message: None).current_problem()
+    target = layout.current.parent / os.readlink(layout.current) if items["current"].startswith("l:") else None
+    if problem is None:
+        problem = "no active generation" if target is None else sealed.unchanged_generation(target / "env")
+    if target is not None and problem is None:
+        items["generation"] = ":".join(sealed.tree_stamp(target / "env"))
+    for path in _watched(watch):
+        items[path] = fingerprint(path)
+    return items, problem
+
+
+def _read(path: Path) -> dict:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise ValueError("no receipt: the node has not finished a provision run with this bwstack") from None
+    except OSError as exc:
+        raise ValueError(f"receipt unreadable ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as handle:
+        st = os.fstat(handle.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_BYTES:
+            raise ValueError("the receipt is not a small regular file")
+        data = handle.read(MAX_BYTES + 1)
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError("the receipt is not JSON") from None
+    if (
+        not isinstance(doc, dict)
+        or doc.get("format") != FORMAT
+        or not isinstance(doc.get("inputs"), str)
+        or not isinstance(doc.get("items"), dict)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in doc["items"].items())
+    ):
+        raise ValueError(f"the receipt is not a format-{FORMAT} receipt")
+    return doc
+
+
+def check(layout: Layout, inputs: str, watch: list[str]) -> Verdict:
+    check_inputs_digest(inputs)
+    _watched(watch)
+    path = layout.root / NAME
+    try:
+        doc = _read(path)
+    except ValueError as exc:
+        return Verdict(False, str(exc), str(path))
+    if doc["inputs"] != inputs:
+        return Verdict(False, "the inputs changed (lock, bwstack wheel or a role setting)", str(path))
+    items, problem = observe(layout, watch)
+    if problem is not None:
+        return Verdict(False, problem, str(path))
+    recorded = doc["items"]
+    for name in sorted(set(items) | set(recorded)):
+        if items.get(name) != recorded.get(name):
+            return Verdict(False, f"{name} changed since the last provision run", str(path))
+    generation = os.readlink(layout.current).rsplit("/", 1)[-1]
+    return Verdict(True, f"provisioned from these inputs; {generation} and every watched path unchanged", str(path))
+
+
+def write(layout: Layout, inputs: str, watch: list[str]) -> bool:
+    """Record the node as provisioned from `inputs`; True when that changed the receipt."""
+    check_inputs_digest(inputs)
+    items, problem = observe(layout, watch)
+    if problem is not None:
+        raise BwstackError(f"not writing a provision receipt: {problem}")
+    doc = {"format": FORMAT, "inputs": check_inputs_digest(inputs), "items": items}
+    path = layout.root / NAME
+    try:
+        if _read(path) == doc:
+            return False
+    except ValueError:
+        pass
+    data = json.dumps(doc, indent=1, sort_keys=True).encode()
+    tmp = layout.root / f".{NAME}.{os.getpid()}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise BwstackError(f"cannot write {path}: {exc.strerror}") from None
+    return True

@@ -1,0 +1,143 @@
+"""`bwstack receipt`: the provision play's converged fast path asks whether a node is as the last provision
+run from the same inputs left it. Anything unsure answers no (a full run costs time; a wrong yes hides a
+change), a hostile receipt is read as no receipt, and bad options are one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+INPUTS = "a" * 64
+OTHER_INPUTS = "b" * 64
+
+
+@pytest.fixture
+def node(stack, tmp_path: Path):
+    stack.build("fixture-new", check=True)
+    made = tmp_path / "made-by-the-run"
+    made.mkdir()
+    (made / "wrapper").write_text("#!/bin/sh\n")
+    stack.watched = [str(made), str(made / "wrapper")]
+    stack.made = made
+    return stack
+
+
+def _receipt(node, mode: str, inputs: str = INPUTS, *more: str):
+    watch = [f"--watch={p}" for p in node.watched]
+    return node.run("receipt", mode, "--json", "--inputs", inputs, *watch, *more)
+
+
+def _verdict(node, inputs: str = INPUTS) -> dict:
+    result = _receipt(node, "--check", inputs)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_a_node_is_converged_after_the_receipt_is_written_and_nothing_changed(node):
+    assert json.loads(_receipt(node, "--write").stdout)["changed"] is True
+    verdict = _verdict(node)
+    assert verdict["converged"] is True and "0000-fixture-new" in verdict["why"]
+
+
+def test_writing_the_same_receipt_again_changes_nothing(node):
+    _receipt(node, "--write")
+    assert json.loads(_receipt(node, "--write").stdout)["changed"] is False
+
+
+def test_a_node_without_a_receipt_is_not_converged(node):
+    verdict = _verdict(node)
+    assert verdict["converged"] is False and "no receipt" in verdict["why"]
+
+
+def test_other_inputs_are_not_converged(node):
+    _receipt(node, "--write")
+    verdict = _verdict(node, OTHER_INPUTS)
+    assert verdict["converged"] is False and "inputs changed" in verdict["why"]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda made: (made / "wrapper").write_text("#!/bin/sh\necho changed\n"), id="file-content"),
+        pytest.param(lambda made: os.chmod(made / "wrapper", 0o777), id="file-mode"),
+        pytest.param(lambda made: (made / "wrapper").unlink(), id="file-removed"),
+        pytest.param(lambda made: (made / "new").write_text("x"), id="file-added-to-a-directory"),
+    ],
+)
+def test_a_change_to_a_watched_path_is_not_converged_and_names_it(node, change):
+    _receipt(node, "--write")
+    change(node.made)
+    verdict = _verdict(node)
+    assert verdict["converged"] is False and str(node.made) in verdict["why"]
+
+
+def test_a_generation_changed_since_it_was_sealed_is_not_converged(node):
+    _receipt(node, "--write")
+    site = next((node.ml_env / "lib").glob("python3.*/site-packages"))
+    target = site / "fixture_dep" / "__init__.py"
+    os.chmod(target.parent, 0o755)
+    target.unlink()
+    target.write_text("VALUE = 'drifted'\n")
+    verdict = _verdict(node)
+    assert verdict["converged"] is False and "changed since it was sealed" in verdict["why"]
+
+
+def test_a_switch_to_another_generation_is_not_converged(node):
+    _receipt(node, "--write")
+    node.build("fixture-old", check=True)
+    verdict = _verdict(node)
+    assert verdict["converged"] is False and "current changed" in verdict["why"]
+
+
+def _symlink_to_a_good_receipt(path: Path) -> None:
+    good = path.parent.parent / "elsewhere.json"
+    good.write_text(path.read_text())
+    path.unlink()
+    path.symlink_to(good)
+
+
+@pytest.mark.parametrize(
+    "spoil, why",
+    [
+        pytest.param(_symlink_to_a_good_receipt, "receipt unreadable", id="symlink"),
+        pytest.param(lambda p: p.write_text("{not json"), "not JSON", id="not-json"),
+        pytest.param(lambda p: p.write_text(json.dumps([1, 2])), "not a format-1 receipt", id="a-list"),
+        pytest.param(
+            lambda p: p.write_text(json.dumps({"format": 1, "inputs": INPUTS, "items": {"current": 1}})),
+            "not a format-1 receipt",
+            id="wrong-item-type",
+        ),
+        pytest.param(lambda p: p.write_bytes(b" " * (2 << 20)), "not a small regular file", id="huge"),
+        pytest.param(lambda p: (p.unlink(), os.mkfifo(p)), "not a small regular file", id="fifo"),
+    ],
+)
+def test_a_hostile_or_damaged_receipt_is_read_as_no_receipt(node, spoil, why):
+    _receipt(node, "--write")
+    spoil(node.root / "provisioned.json")
+    verdict = _verdict(node)
+    assert verdict["converged"] is False and why in verdict["why"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        pytest.param(["--inputs", "not-a-digest"], "not a sha256 digest", id="inputs"),
+        pytest.param(["--inputs", INPUTS, "--watch", "relative/path"], "give an absolute path", id="watch"),
+        pytest.param(["--inputs", ""], "--inputs is empty", id="empty"),
+    ],
+)
+def test_bad_options_are_one_line_and_exit_2(node, args, message):
+    result = node.run("receipt", "--check", *args)
+    assert result.returncode == 2 and message in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_no_receipt_is_written_for_a_generation_that_changed_since_it_was_sealed(node):
+    site = next((node.ml_env / "lib").glob("python3.*/site-packages"))
+    (site / "added.pth").write_text("")
+    result = _receipt(node, "--write")
+    assert result.returncode != 0 and "not writing a provision receipt" in result.stderr
+    assert not (node.root / "provisioned.json").exists()
