@@ -109,7 +109,7 @@ def test_the_shared_roles_tasks_count_in_the_role_that_pulled_them_in():
          "t": events[first_preflight]["t"]},
     ]  # fmt: skip
     events[first_preflight + 2 : first_preflight + 2] = shared  # between preflight's two tasks
-    events[:0] = [dict(e, t=events[0]["t"]) for e in shared]  # and before any role, as its arguments are checked
+    events[:0] = [dict(e, t=events[0]["t"]) for e in shared]  # and before any role (the converged check)
     _, lines = _report(events)
     text = "\n".join(" ".join(line.split()) for line in lines)
     assert [line.split()[0] for line in lines].count("preflight") == 1
@@ -122,19 +122,22 @@ def _task(role: str, name: str, started: float, seconds: float, kind: str = "ok"
 
 
 def test_a_converged_node_shows_its_check_as_a_phase_and_the_roles_it_skipped():
-    """The fast path: the converged check (with the controller-facts task it imports), then every task of
+    """The fast path: the converged check (the shared role's tasks before any role), then every task of
     preflight skipped, then verify."""
-    ask = "Converged check - ask the node whether it is as the last provision run from these inputs left it"
+    ask = "bwstack : Converged check - ask the node whether it is as the last provision run from these inputs left it"
     events = _task("", "Gathering Facts", 1000.0, 1.0)
     events += _task("bwstack", ask, 1001.0, 1.0)
-    events += _task("bwstack", "Read the lock (controller)", 1002.0, 0.5)
+    events += _task("bwstack", "bwstack : Read the lock (controller)", 1002.0, 0.5)
+    events += _task("bwstack", "bwstack : Converged check - say which way this run goes", 1002.5, 0.0)
+    events[-1]["result"] = {"msg": "converged (provisioned from these inputs; 0003-cu128-abc ...): ... verify runs"}
     events += _task("bwstack_preflight", "Look for bwstack on the node", 1002.5, 0.01, "skipped")
     events += _task("bwstack_preflight", "Run the preflight checks on the node", 1002.51, 0.01, "skipped")
     events += _task("bwstack_verify", "Run the node checks", 1002.52, 2.0)
     events.append({"event": "stats", "hosts": {"localhost": {"ok": 4, "changed": 0}}, "t": 1004.52})
     _, lines = _report(events)
     text = "\n".join(" ".join(line.split()) for line in lines)
-    assert "converged check 1.5 s (2 tasks)" in text
+    assert "converged check 1.5 s (3 tasks)" in text
+    assert "localhost: converged (provisioned from these inputs; 0003-cu128-abc ...): ... verify runs" in text
     assert "preflight 0.0 s (2 tasks, all skipped)" in text
     assert "verify 2.0 s (1 tasks)" in text
 

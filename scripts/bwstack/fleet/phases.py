@@ -33,10 +33,11 @@ PHASES: tuple[tuple[str, str, str], ...] = (
     ("", "Gathering Facts", "facts"),
 )
 # Every role depends on this one (the shared settings and the controller facts): Ansible runs its tasks inside
-# the role that pulled it in, so they count there; its converged check (tasks/converged.yml, each task named
-# "Converged check - ...") is a phase of its own.
+# the role that pulled it in, so they count there. Its tasks before any role are the play's converged check
+# (tasks/converged.yml): a phase of its own.
 SHARED_ROLE = "bwstack"
 CONVERGED_PHASE = "converged check"
+SAY_WHICH_WAY = "Converged check - say which way this run goes"  # its message is shown: why roles run or not
 # The env build's own timings (bwstack build --json) -> phases.
 BUILD_TIMINGS = (
     ("fetch_s", "fetch"),
@@ -113,7 +114,7 @@ class PhaseReport:
         if kind == "task":
             self._close_task(now)
             role = event.get("role", "")
-            if role == SHARED_ROLE and event.get("name", "").lower().startswith(CONVERGED_PHASE):
+            if role == SHARED_ROLE and self.role in (None, "", SHARED_ROLE):
                 phase = CONVERGED_PHASE
             elif role == SHARED_ROLE:
                 role, phase = self.role or "", self.current or "facts"
@@ -140,6 +141,8 @@ class PhaseReport:
                 phase.skipped += 1
             if kind == "ok" and phase is not None and phase.name == "build":
                 self._read_build(result.get("result"))
+            if kind == "ok" and str(event.get("task", "")).endswith(SAY_WHICH_WAY):
+                self.emit(f"{event.get('host')}: {' '.join(str(result.get('msg', '')).split())}")
             if kind in ("failed", "unreachable") and not event.get("ignore_errors"):
                 self.failures.append(self._failure(event, kind))
         elif kind == "stats":
