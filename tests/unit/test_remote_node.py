@@ -220,7 +220,8 @@ def flow(node_image: str, tmp_path_factory: pytest.TempPathFactory, request: pyt
     try:
         services = json.dumps({"bwstack_mlenv_services": ["sglang.service"]})
         if f.provision("provision", "-e", services).rc == 0:
-            f.provision("rerun")
+            f.provision("rerun", "-e", services)
+            f.provision("rerun-full", "--full")
             f.cli("rollback-one", "rollback", "--target", node.target, *node.ssh_options)
             f.cli("verify", "verify", "--target", node.target, *node.ssh_options)
             f.on_node("node-generations", "cd / && bwstack generations --json")
@@ -271,8 +272,17 @@ def test_a_service_the_node_does_not_have_is_named_not_failed_on(flow: Flow):
 
 @pytest.mark.slow
 @pytest.mark.network
-def test_converged_rerun_changes_nothing_and_needs_no_disk_margin(flow: Flow):
+def test_converged_rerun_over_ssh_only_verifies_and_changes_nothing(flow: Flow):
     run = flow.runs["rerun"].ok()
+    assert run.recap[flow.node.label.replace(":", "_")]["changed"] == 0, run.tail(200)
+    assert "converged (provisioned from these inputs; 0000-cu128-" in run.out
+
+
+@pytest.mark.slow
+@pytest.mark.network
+def test_a_full_rerun_with_other_settings_changes_nothing_and_needs_no_disk_margin(flow: Flow):
+    run = flow.runs["rerun-full"].ok()
+    assert "every role runs: bwstack_converged_check is false (--full)" in run.out
     assert run.recap[flow.node.label.replace(":", "_")]["changed"] == 0, run.tail(200)
     assert "no build needed (the plan reuses 0000-cu128-" in run.out
 
