@@ -103,7 +103,8 @@ def pytest_collection_modifyitems(config, items):
 def real(tmp_path_factory):
     """The real cu128 env built from the lock (slow tier): one build per session, shared by the slow tests.
     BWSTACK_TEST_REAL_ROOT reuses a store between runs (and BWSTACK_CACHE shares downloads with other tiers)."""
-    from bwstack.store.generations import Layout, Store
+    from bwstack.store.generations import Store
+    from bwstack.store.layout import Layout
 
     base = Path(os.environ.get("BWSTACK_TEST_REAL_ROOT") or tmp_path_factory.mktemp("real"))
     base.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from helpers import needs_py312
 
-from bwstack.store.generations import Layout, Store
+from bwstack.store.generations import Store
+from bwstack.store.layout import Layout
 from bwstack.store.record import GenerationRecord
 from bwstack.store.runlock import RunLock
 

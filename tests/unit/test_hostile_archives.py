@@ -22,7 +22,8 @@ import pytest
 import zstandard
 from helpers import bwstack, needs_py312
 
-from bwstack.store.generations import Layout, Store
+from bwstack.store.generations import Store
+from bwstack.store.layout import Layout
 from fixtures import fakestack
 
 pytestmark = needs_py312

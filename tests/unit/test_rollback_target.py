@@ -17,7 +17,8 @@ import pytest
 from helpers import REPO, needs_py312
 
 from bwstack.provision.build import rollback_target
-from bwstack.store.generations import Layout, Store
+from bwstack.store.generations import Store
+from bwstack.store.layout import Layout
 from fixtures import fakestack
 
 pytestmark = needs_py312

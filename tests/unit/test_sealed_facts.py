@@ -14,7 +14,8 @@ from bwstack.fsutil import sha256_file
 from bwstack.probe import main as probe
 from bwstack.probe import sealed
 from bwstack.store import manifest
-from bwstack.store.generations import Layout, Store
+from bwstack.store.generations import Store
+from bwstack.store.layout import Layout
 
 CAPABILITY = "12.0"  # the fixture target's
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from bwstack.errors import BusyError
-from bwstack.store.generations import BUILDING_PREFIX, Layout
+from bwstack.store.generations import BUILDING_PREFIX
+from bwstack.store.layout import Layout
 from bwstack.store.session import open_store
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from helpers import needs_py312
 
-from bwstack.store.generations import Layout, Store
+from bwstack.store.generations import Store
+from bwstack.store.layout import Layout
 
 pytestmark = needs_py312
 

@@ -45,7 +45,9 @@ from bwstack.probe import envinspect
 from bwstack.provision import backup, build
 from bwstack.provision.envbuild import find_python
 from bwstack.provision.wheelhouse import Fetcher, Sources
-from bwstack.store.generations import Layout, Store, remove_tree
+from bwstack.store.generations import Store
+from bwstack.store.layout import Layout
+from bwstack.store.tree import remove_tree
 
 QUICK_ROOTS = ("requests", "packaging", "typing-extensions")  # a small real closure from the cu128 lock
 NVCC_WAIVER = "nvcc=NVIDIA's PyPI wheels for CUDA 12.x ship no nvcc"

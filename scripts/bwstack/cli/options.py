@@ -275,7 +275,7 @@ def ssh_options(args: argparse.Namespace):
 
 def layout(args: argparse.Namespace):
     """The store location options as the store's Layout (defaults: root or user, and BWSTACK_* variables)."""
-    from bwstack.store.generations import Layout
+    from bwstack.store.layout import Layout
 
     return Layout.default(
         args.root, args.ml_env, getattr(args, "cuda_link", None), getattr(args, "take_over_links", False)

@@ -17,7 +17,7 @@ Log = Callable[[str], None]
 
 
 def default_store() -> Path:
-    from bwstack.store.generations import Layout
+    from bwstack.store.layout import Layout
 
     return Layout.default().wheel_store
 

@@ -32,13 +32,11 @@ from bwstack.store.generations import (
     checkpoint,
     generation_name,
     now_iso,
-    remove_tree,
-    seal,
-    take_ownership,
     write_hook,
 )
 from bwstack.store.record import GenerationRecord
 from bwstack.store.session import swap_in
+from bwstack.store.tree import remove_tree, seal, take_ownership
 
 # ------------------------------------------------------------------------------------------------ adopt
 

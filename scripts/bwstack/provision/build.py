@@ -25,19 +25,11 @@ from bwstack.probe import envinspect
 from bwstack.probe import main as probe
 from bwstack.provision import backup, envbuild, patches
 from bwstack.provision.wheelhouse import Fetcher, LocalWheel, Sources
-from bwstack.store.generations import (
-    Generation,
-    Layout,
-    Store,
-    checkpoint,
-    generation_name,
-    now_iso,
-    remove_tree,
-    seal,
-    write_hook,
-)
+from bwstack.store.generations import Generation, Store, checkpoint, generation_name, now_iso, write_hook
+from bwstack.store.layout import Layout
 from bwstack.store.record import GenerationRecord
 from bwstack.store.session import open_store
+from bwstack.store.tree import remove_tree, seal
 
 GIB = 1 << 30
 

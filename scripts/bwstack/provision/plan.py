@@ -94,7 +94,7 @@ def _installed_hashes(env: Path) -> tuple[str | None, dict[str, str]]:
 
 def plan_env(profile: Profile, env: Path | None, root: str | None = None, ml_env: str | None = None) -> EnvPlan:
     if env is None:
-        from bwstack.store.generations import Layout
+        from bwstack.store.layout import Layout
 
         env = Layout.default(root, ml_env).ml_env
     if not env.exists():

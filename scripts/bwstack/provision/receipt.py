@@ -27,7 +27,8 @@ from pathlib import Path
 from bwstack.errors import BwstackError, UsageError
 from bwstack.fsutil import sha256_file
 from bwstack.probe import sealed
-from bwstack.store.generations import Layout, Store
+from bwstack.store.generations import Store
+from bwstack.store.layout import Layout
 
 NAME = "provisioned.json"
 FORMAT = 1

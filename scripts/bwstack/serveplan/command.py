@@ -14,7 +14,7 @@ NAME_RE = re.compile(r"^[A-Za-z0-9_]+$")
 
 
 def _env(args: argparse.Namespace) -> Path:
-    from bwstack.store.generations import Layout
+    from bwstack.store.layout import Layout
 
     env = Path(args.env) if args.env else Layout.default(args.root, args.ml_env, None).ml_env
     if not (env / "bin" / "python").exists():

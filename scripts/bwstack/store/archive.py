@@ -48,10 +48,10 @@ from bwstack.store.generations import (
     checkpoint,
     generation_name,
     now_iso,
-    remove_tree,
     run_env_check,
 )
 from bwstack.store.record import GenerationRecord, RecordError
+from bwstack.store.tree import remove_tree
 
 TOP = "generation"
 MAX_MEMBERS = 2_000_000

@@ -25,7 +25,6 @@ read is listed as damaged with the reason, can never be switched to, and `prune`
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import enum
 import errno
 import json
@@ -38,14 +37,14 @@ from functools import cached_property
 from importlib import resources
 from pathlib import Path
 
-from bwstack import paths
 from bwstack.errors import BwstackError, IntegrityError, UsageError
 from bwstack.fsutil import atomic_symlink, atomic_write_text, fsync_dir, sha256_file
 from bwstack.probe import envinspect, interp
 from bwstack.store import manifest
 from bwstack.store import record as record_module
-from bwstack.store.objects import ObjectStore
+from bwstack.store.layout import Layout
 from bwstack.store.record import GenerationRecord, RecordError
+from bwstack.store.tree import make_writable_parent, remove_tree, replace_sealed, seal
 
 RECORD = "record.json"
 MANIFEST = manifest.MANIFEST_NAME
@@ -66,77 +65,6 @@ def checkpoint(name: str) -> None:
     """Test hook for the SIGKILL tests: dies right here when BWSTACK_TEST_KILL_AT names this point."""
     if os.environ.get("BWSTACK_TEST_KILL_AT") == name:
         os.kill(os.getpid(), 9)
-
-
-def _setting(explicit: str | None, variable: str) -> str | None:
-    """A path setting from the command line or the environment; an empty value is an error, not a default."""
-    value = explicit if explicit is not None else os.environ.get(variable)
-    if value is not None and not value.strip():
-        source = variable if explicit is None else f"--{variable.removeprefix('BWSTACK_').lower().replace('_', '-')}"
-        raise UsageError(f"{source} is empty: give a path (or unset it to use the default)")
-    return value
-
-
-# ------------------------------------------------------------------------------------------------ layout
-
-
-@dataclass(frozen=True)
-class Layout:
-    root: Path
-    ml_env: Path
-    cuda_link: Path | None
-    profile_d: Path | None
-    take_over_links: bool = False
-
-    @classmethod
-    def default(
-        cls,
-        root: str | None = None,
-        ml_env: str | None = None,
-        cuda_link: str | None = None,
-        take_over_links: bool = False,
-    ) -> Layout:
-        is_root = os.geteuid() == 0
-        home = Path.home()
-        root_value = _setting(root, "BWSTACK_ROOT")
-        root_path = Path(root_value or (paths.DEFAULT_ROOT if is_root else home / paths.USER_ROOT))
-        ml = Path(_setting(ml_env, "BWSTACK_ML_ENV") or ("/opt/ml-env" if is_root else home / "ml-env"))
-        link_value = _setting(cuda_link, "BWSTACK_CUDA_LINK")
-        if link_value is None:
-            link_value = "/usr/local/cuda" if is_root else "none"
-        link = None if link_value == "none" else Path(link_value)
-        profile_d = Path("/etc/profile.d/bwstack.sh") if is_root and root_value is None and link is not None else None
-        return cls(root_path.absolute(), ml.absolute(), link.absolute() if link else None, profile_d, take_over_links)
-
-    @property
-    def generations(self) -> Path:
-        return self.root / "generations"
-
-    @property
-    def current(self) -> Path:
-        return self.root / "current"
-
-    @property
-    def history(self) -> Path:
-        return self.root / "history.jsonl"
-
-    @property
-    def cache(self) -> Path:
-        """Wheels and uv's unpacked cache. BWSTACK_CACHE shares one between stores (same filesystem, so
-        generations still hard-link from it)."""
-        return Path(_setting(None, "BWSTACK_CACHE") or self.root / "cache")
-
-    @property
-    def wheel_store(self) -> Path:
-        return self.cache / "wheels"
-
-    @property
-    def uv_cache(self) -> Path:
-        return self.cache / "uv"
-
-    @property
-    def objects(self) -> ObjectStore:
-        return ObjectStore(self.cache / "objects")
 
 
 # ------------------------------------------------------------------------------------------------ generation
@@ -669,7 +597,7 @@ class Store:
                 remove_tree(path)
                 removed_dirs.append(rel)
             else:
-                _make_writable_parent(path)
+                make_writable_parent(path)
                 path.unlink()
         repaired_files = False
         for problem in problems:
@@ -679,19 +607,19 @@ class Store:
             path = base / entry.path
             if entry.kind == "d":
                 if not path.is_dir() or path.is_symlink():
-                    _make_writable_parent(path)
+                    make_writable_parent(path)
                     remove_tree(path)
                     path.mkdir()
                 os.chmod(path, entry.mode, follow_symlinks=False)
             elif entry.kind == "l":
-                _make_writable_parent(path)
+                make_writable_parent(path)
                 remove_tree(path)
                 os.symlink(entry.sha256, path)
             else:
                 source = self.layout.objects.find(entry.sha256)
                 if source is None:
                     continue
-                _make_writable_parent(path)
+                make_writable_parent(path)
                 remove_tree(path)
                 src_st = os.lstat(source)
                 if stat.S_IMODE(src_st.st_mode) == entry.mode and (src_st.st_uid, src_st.st_gid) == (
@@ -711,7 +639,7 @@ class Store:
         if repaired_files:
             fresh = manifest.Manifest(doc.format, tuple(manifest.refingerprint(base, doc.entries)), doc.meta)
             if fresh != doc:
-                _replace_sealed(base / MANIFEST, json.dumps(fresh.document(), separators=(",", ":")))
+                replace_sealed(base / MANIFEST, json.dumps(fresh.document(), separators=(",", ":")))
             gen.__dict__.pop("_manifest", None)
         return gen.verify("full")
 
@@ -742,72 +670,6 @@ class Store:
         if removed:
             self.layout.objects.collect()
         return removed
-
-
-# ------------------------------------------------------------------------------------------------ helpers
-
-
-def _make_writable_parent(path: Path) -> None:
-    parent = path.parent
-    mode = stat.S_IMODE(os.lstat(parent).st_mode)
-    if not mode & 0o200:
-        os.chmod(parent, mode | 0o200)
-
-
-def _replace_sealed(path: Path, text: str) -> None:
-    atomic_write_text(path, text, mode=0o444)
-
-
-def seal(env: Path) -> None:
-    """Files read-only for everyone, no setuid/setgid bits, nothing group- or world-writable. Installers
-    replace files (new inodes) rather than writing through, so a hard link shared with another generation
-    is never modified; the generation hook stops Python from adding bytecode."""
-    for dirpath, dirnames, filenames in os.walk(env):
-        for name in filenames:
-            path = os.path.join(dirpath, name)
-            st = os.lstat(path)
-            if stat.S_ISREG(st.st_mode):
-                mode = stat.S_IMODE(st.st_mode) & ~0o222 & ~0o7000
-                if mode != stat.S_IMODE(st.st_mode):
-                    os.chmod(path, mode)
-        for name in dirnames:
-            path = os.path.join(dirpath, name)
-            st = os.lstat(path)
-            if stat.S_ISDIR(st.st_mode) and st.st_mode & 0o7022:
-                os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o7022)
-    st = os.stat(env)
-    if st.st_mode & 0o7022:
-        os.chmod(env, stat.S_IMODE(st.st_mode) & ~0o7022)
-
-
-def take_ownership(env: Path) -> list[str]:
-    """Make every path of `env` owned by this process's user (root), or name what another user owns."""
-    uid, gid = os.geteuid(), os.getegid()
-    foreign = []
-    for rel, st in manifest.walk(env):
-        if (st.st_uid, st.st_gid) != (uid, gid):
-            if uid == 0:
-                os.lchown(env / rel, uid, gid)
-            else:
-                foreign.append(rel)
-    return foreign
-
-
-def remove_tree(path: Path) -> None:
-    def _writable(func, p, _exc):  # sealed files sit in directories we may have made read-only
-        os.chmod(os.path.dirname(p), 0o755)
-        func(p)
-
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path, onerror=_writable)
-    else:
-        os.unlink(path)
-
-
 
 
 def write_hook(env: Path, name: str) -> None:
@@ -848,21 +710,3 @@ def post_switch_check(ml_env: Path, gen: Generation) -> dict:
         return run_env_check(ml_env, gen.env, gen.name, torch, what="post-switch check")
     except BwstackError as exc:
         raise BwstackError(f"{exc}; switched back") from None
-
-
-# ------------------------------------------------------------------------------------------------ exchange
-
-_RENAME_EXCHANGE = 2
-
-
-def exchange(a: Path, b: Path) -> None:
-    """Swap two paths atomically (renameat2 RENAME_EXCHANGE): used to turn a real ml-env directory into
-    bwstack's link without a moment where the path does not exist."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    func = getattr(libc, "renameat2", None)
-    if func is None:
-        raise OSError(errno.ENOSYS, "renameat2 is not available in this libc")
-    at_fdcwd = -100
-    if func(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), str(a))

@@ -15,8 +15,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from bwstack.fsutil import atomic_symlink
-from bwstack.store.generations import Layout, Store, exchange, remove_tree
+from bwstack.store.generations import Store
+from bwstack.store.layout import Layout
 from bwstack.store.runlock import RunLock
+from bwstack.store.tree import exchange, remove_tree
 
 Log = Callable[[str], None]
 

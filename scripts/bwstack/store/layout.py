@@ -1,0 +1,80 @@
+"""Where a store lives: its root, the env path users run, the CUDA link it keeps, and its cache; from the
+command line, BWSTACK_* variables, or the defaults (root or user)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from bwstack import paths
+from bwstack.errors import UsageError
+from bwstack.store.objects import ObjectStore
+
+
+def setting(explicit: str | None, variable: str) -> str | None:
+    """A path setting from the command line or the environment; an empty value is an error, not a default."""
+    value = explicit if explicit is not None else os.environ.get(variable)
+    if value is not None and not value.strip():
+        source = variable if explicit is None else f"--{variable.removeprefix('BWSTACK_').lower().replace('_', '-')}"
+        raise UsageError(f"{source} is empty: give a path (or unset it to use the default)")
+    return value
+
+
+@dataclass(frozen=True)
+class Layout:
+    root: Path
+    ml_env: Path
+    cuda_link: Path | None
+    profile_d: Path | None
+    take_over_links: bool = False
+
+    @classmethod
+    def default(
+        cls,
+        root: str | None = None,
+        ml_env: str | None = None,
+        cuda_link: str | None = None,
+        take_over_links: bool = False,
+    ) -> Layout:
+        is_root = os.geteuid() == 0
+        home = Path.home()
+        root_value = setting(root, "BWSTACK_ROOT")
+        root_path = Path(root_value or (paths.DEFAULT_ROOT if is_root else home / paths.USER_ROOT))
+        ml = Path(setting(ml_env, "BWSTACK_ML_ENV") or ("/opt/ml-env" if is_root else home / "ml-env"))
+        link_value = setting(cuda_link, "BWSTACK_CUDA_LINK")
+        if link_value is None:
+            link_value = "/usr/local/cuda" if is_root else "none"
+        link = None if link_value == "none" else Path(link_value)
+        profile_d = Path("/etc/profile.d/bwstack.sh") if is_root and root_value is None and link is not None else None
+        return cls(root_path.absolute(), ml.absolute(), link.absolute() if link else None, profile_d, take_over_links)
+
+    @property
+    def generations(self) -> Path:
+        return self.root / "generations"
+
+    @property
+    def current(self) -> Path:
+        return self.root / "current"
+
+    @property
+    def history(self) -> Path:
+        return self.root / "history.jsonl"
+
+    @property
+    def cache(self) -> Path:
+        """Wheels and uv's unpacked cache. BWSTACK_CACHE shares one between stores (same filesystem, so
+        generations still hard-link from it)."""
+        return Path(setting(None, "BWSTACK_CACHE") or self.root / "cache")
+
+    @property
+    def wheel_store(self) -> Path:
+        return self.cache / "wheels"
+
+    @property
+    def uv_cache(self) -> Path:
+        return self.cache / "uv"
+
+    @property
+    def objects(self) -> ObjectStore:
+        return ObjectStore(self.cache / "objects")

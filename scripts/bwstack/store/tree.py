@@ -1,0 +1,92 @@
+"""What the store does to a generation's tree on disk: seal it, take it over, remove it, and swap two paths
+atomically. Links inside a tree are never followed: they are changed, owned and removed as links (lstat,
+lchown, unlink)."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+import stat
+from pathlib import Path
+
+from bwstack.fsutil import atomic_write_text
+from bwstack.store import manifest
+
+
+def make_writable_parent(path: Path) -> None:
+    parent = path.parent
+    mode = stat.S_IMODE(os.lstat(parent).st_mode)
+    if not mode & 0o200:
+        os.chmod(parent, mode | 0o200)
+
+
+def replace_sealed(path: Path, text: str) -> None:
+    atomic_write_text(path, text, mode=0o444)
+
+
+def seal(env: Path) -> None:
+    """Files read-only for everyone, no setuid/setgid bits, nothing group- or world-writable. Installers
+    replace files (new inodes) rather than writing through, so a hard link shared with another generation
+    is never modified; the generation hook stops Python from adding bytecode."""
+    for dirpath, dirnames, filenames in os.walk(env):
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode):
+                mode = stat.S_IMODE(st.st_mode) & ~0o222 & ~0o7000
+                if mode != stat.S_IMODE(st.st_mode):
+                    os.chmod(path, mode)
+        for name in dirnames:
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            if stat.S_ISDIR(st.st_mode) and st.st_mode & 0o7022:
+                os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o7022)
+    st = os.stat(env)
+    if st.st_mode & 0o7022:
+        os.chmod(env, stat.S_IMODE(st.st_mode) & ~0o7022)
+
+
+def take_ownership(env: Path) -> list[str]:
+    """Make every path of `env` owned by this process's user (root), or name what another user owns."""
+    uid, gid = os.geteuid(), os.getegid()
+    foreign = []
+    for rel, st in manifest.walk(env):
+        if (st.st_uid, st.st_gid) != (uid, gid):
+            if uid == 0:
+                os.lchown(env / rel, uid, gid)
+            else:
+                foreign.append(rel)
+    return foreign
+
+
+def remove_tree(path: Path) -> None:
+    def _writable(func, p, _exc):  # sealed files sit in directories we may have made read-only
+        os.chmod(os.path.dirname(p), 0o755)
+        func(p)
+
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path, onerror=_writable)
+    else:
+        os.unlink(path)
+
+
+_RENAME_EXCHANGE = 2
+
+
+def exchange(a: Path, b: Path) -> None:
+    """Swap two paths atomically (renameat2 RENAME_EXCHANGE): used to turn a real ml-env directory into
+    bwstack's link without a moment where the path does not exist."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    func = getattr(libc, "renameat2", None)
+    if func is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available in this libc")
+    at_fdcwd = -100
+    if func(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(a))
