@@ -141,3 +141,22 @@ def test_no_receipt_is_written_for_a_generation_that_changed_since_it_was_sealed
     result = _receipt(node, "--write")
     assert result.returncode != 0 and "not writing a provision receipt" in result.stderr
     assert not (node.root / "provisioned.json").exists()
+
+
+def test_kernel_pseudo_files_are_fingerprinted_by_their_content():
+    """/proc files report size 0 and refuse large reads: the receipt reads them in small pieces."""
+    from bwstack.provision.receipt import fingerprint
+
+    value = fingerprint("/proc/sys/kernel/osrelease")
+    assert value.startswith("f:") and len(value.rsplit(":", 1)[1]) == 64
+    assert fingerprint("/proc/sys/kernel/osrelease") == value
+
+
+def test_a_watched_link_is_fingerprinted_with_what_it_points_to(tmp_path: Path):
+    from bwstack.provision.receipt import fingerprint
+
+    (tmp_path / "a").write_text("one")
+    (tmp_path / "link").symlink_to("a")
+    before = fingerprint(str(tmp_path / "link"))
+    (tmp_path / "a").write_text("two")
+    assert before.startswith("l:a -> f:") and fingerprint(str(tmp_path / "link")) != before

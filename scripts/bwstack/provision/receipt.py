@@ -17,6 +17,7 @@ a false "changed" costs one full run; a false "converged" would hide a change.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
@@ -88,12 +89,32 @@ def fingerprint(path: str, *, follow: bool = True) -> str:
         return target + " -> " + fingerprint(os.path.realpath(path), follow=False) if follow else target
     if stat.S_ISDIR(st.st_mode):
         return f"d:{owner}:" + ":".join(sealed.tree_stamp(Path(path)))
+    if stat.S_ISREG(st.st_mode) and st.st_size == 0:
+        return f"f:{owner}:" + _pseudo_file_digest(path)
     if stat.S_ISREG(st.st_mode) and st.st_size <= HASHED_FILE_LIMIT:
         try:
             return f"f:{owner}:" + sha256_file(Path(path))
         except OSError as exc:
             return f"unreadable: {exc.strerror}"
     return f"s:{owner}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def _pseudo_file_digest(path: str) -> str:
+    """An empty file, or a /proc or /sys one (size 0, content made on read, in small reads only)."""
+    digest = hashlib.sha256()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            for _ in range(MAX_BYTES // 4096):
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    break
+                digest.update(chunk)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return f"unreadable: {exc.strerror}"
+    return digest.hexdigest()
 
 
 def observe(layout: Layout, watch: list[str]) -> tuple[dict[str, str], str | None]:
