@@ -59,6 +59,8 @@ STACK_CASES = [
     ("verify", ["verify", "--no-runtime"], {0, 1}),  # the fixture's fake torch fails checks: still one document
     ("generations", ["generations"], {0}),
     ("generations --check", ["generations", "--check", "--verify", "full"], {0}),
+    ("receipt --write", ["receipt", "--write", "--inputs", "a" * 64], {0}),
+    ("receipt --check", ["receipt", "--check", "--inputs", "a" * 64], {0}),
     ("rollback --check", ["rollback", "--check"], {0}),
     ("rollback", ["rollback"], {0}),
     ("backup", ["backup"], {0}),
