@@ -117,6 +117,8 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Node:
     lock_copy = n.root / "stack.lock.yaml"
     lock_copy.write_text(lock_copy.read_text() + "# edited on the node\n")
     n.provision("edited", "fixture-new")
+    # verify's own settings are not inputs (verify runs on the fast path too): this run is converged, and fails
+    n.provision("converged-failing", "fixture-new", "-e", json.dumps({"bwstack_verify_profile": "fixture-old"}))
     n.provision("other", "fixture-old", "--diff")
     n.provision("failing", "fixture-new", waivers=False)
     n.rollback("rollback")
@@ -160,6 +162,14 @@ def test_a_node_whose_files_changed_since_the_last_run_runs_every_role_and_is_pu
     assert f"every role runs: {node.root / 'stack.lock.yaml'} changed since the last provision run" in run.out
     assert run.changed() > 0
     assert "# edited on the node" not in (node.root / "stack.lock.yaml").read_text()
+
+
+def test_a_converged_node_that_fails_verify_is_left_as_it_was_and_told_about_full(node: Node):
+    run = node.runs["converged-failing"]
+    assert run.rc != 0 and "converged (provisioned from these inputs" in run.out
+    assert "Nothing was switched on this node" in run.out
+    assert "This run only verified" in run.out and "`bwstack provision --full`" in run.out
+    assert node.active_after["converged-failing"] == "fixture-new"
 
 
 def test_check_mode_on_a_converged_node_reports_no_change(node: Node):
