@@ -221,14 +221,14 @@ def flow(node_image: str, tmp_path_factory: pytest.TempPathFactory, request: pyt
         services = json.dumps({"bwstack_mlenv_services": ["sglang.service"]})
         if f.provision("provision", "-e", services).rc == 0:
             f.provision("rerun", "-e", services)
-            f.provision("rerun-full", "--full")
             f.cli("rollback-one", "rollback", "--target", node.target, *node.ssh_options)
             f.cli("verify", "verify", "--target", node.target, *node.ssh_options)
             f.on_node("node-generations", "cd / && bwstack generations --json")
             f.on_node("node-verify", "cd / && bwstack verify --no-runtime")
             inventory = f.fleet()
             f.playbook("fleet-check", inventory, "provision.yml", "--check", "--diff")
-            f.playbook("fleet-provision", inventory, "provision.yml")
+            # every role (not the fast path): the full play from the example inventory, on a converged node
+            f.playbook("fleet-provision", inventory, "provision.yml", "-e", "bwstack_converged_check=false")
             f.playbook("fleet-verify", inventory, "verify.yml")
             # Drift, as README says backups absorb it: a module added to the active env, then a backup.
             f.facts["pre_drift"] = next(g["name"] for g in f.generations() if g["active"])
@@ -280,15 +280,6 @@ def test_converged_rerun_over_ssh_only_verifies_and_changes_nothing(flow: Flow):
 
 @pytest.mark.slow
 @pytest.mark.network
-def test_a_full_rerun_with_other_settings_changes_nothing_and_needs_no_disk_margin(flow: Flow):
-    run = flow.runs["rerun-full"].ok()
-    assert "every role runs: bwstack_converged_check is false (--full)" in run.out
-    assert run.recap[flow.node.label.replace(":", "_")]["changed"] == 0, run.tail(200)
-    assert "no build needed (the plan reuses 0000-cu128-" in run.out
-
-
-@pytest.mark.slow
-@pytest.mark.network
 def test_rollback_with_one_generation_is_refused_in_one_line(flow: Flow):
     run = flow.runs["rollback-one"]
     assert run.rc == 1
@@ -327,7 +318,10 @@ def test_fleet_check_mode_on_the_converged_node_reports_no_change(flow: Flow):
 @pytest.mark.slow
 @pytest.mark.network
 def test_fleet_provision_and_verify_from_the_example_inventory_pass(flow: Flow):
-    flow.runs["fleet-provision"].ok()
+    provision = flow.runs["fleet-provision"].ok()
+    # every role ran on the converged node, and its preflight asked for no disk margin: nothing was to be built
+    assert "every role runs: bwstack_converged_check is false (--full)" in provision.out
+    assert "no build needed (the plan reuses 0000-cu128-" in provision.out
     run = flow.runs["fleet-verify"].ok()
     assert run.recap["node-a01"]["failed"] == 0
     assert f'"{flow.node.label}:",' in run.out, "the table names the node by user@host:port"
