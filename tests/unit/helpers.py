@@ -24,6 +24,9 @@ TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
 REAL_LOCK = REPO / "stack.lock.yaml"
 MACHINES = TESTS / "fixtures" / "machines"  # TEST FIXTURE recorded machine descriptions (see its README.md)
+# Set by the test that ran the real cu128 provision through the playbooks this session (the SSH node flow): the
+# local real run (test_ansible_real.py) is its stand-in where Docker has no room for the node, not a second copy.
+REAL_PLAYBOOK_RUN = pytest.StashKey[str]()
 
 
 def bwstack(

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import Run
+from helpers import REAL_PLAYBOOK_RUN, Run
 
 from fixtures.remote_node import REPO, Node, build_image, logged, why_no_node_image
 
@@ -220,6 +220,7 @@ def flow(node_image: str, tmp_path_factory: pytest.TempPathFactory, request: pyt
     try:
         services = json.dumps({"bwstack_mlenv_services": ["sglang.service"]})
         if f.provision("provision", "-e", services).rc == 0:
+            request.config.stash[REAL_PLAYBOOK_RUN] = "test_remote_node.py (the cu128 profile over SSH)"
             f.provision("rerun", "-e", services)
             f.cli("rollback-one", "rollback", "--target", node.target, *node.ssh_options)
             f.cli("verify", "verify", "--target", node.target, *node.ssh_options)
