@@ -247,18 +247,6 @@ def _span(names: list[str]) -> str:
     return names[0] if len(names) == 1 else f"{names[0]}…{names[-1]}"
 
 
-__all__ = [
-    "FatbinEntry",
-    "FatbinError",
-    "NotElfError",
-    "covers",
-    "entries",
-    "parse_capability",
-    "runs_on",
-    "summary",
-]
-
-
 def coverage(path: str | os.PathLike, capability: str) -> dict:
     """What a library carries for `capability`, as the probe reports it: its summary, whether its device code
     covers the capability (and why not), or the error that kept it from being read."""
@@ -274,3 +262,16 @@ def coverage(path: str | os.PathLike, capability: str) -> dict:
         "reason": reason,
         "has_device_code": any(not e.relocatable for e in found),
     }
+
+
+__all__ = [
+    "FatbinEntry",
+    "FatbinError",
+    "NotElfError",
+    "coverage",
+    "covers",
+    "entries",
+    "parse_capability",
+    "runs_on",
+    "summary",
+]

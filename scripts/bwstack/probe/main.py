@@ -287,10 +287,6 @@ def elf_facts(env: Path, sp: Path, torch_version: dict) -> dict:
 # ------------------------------------------------------------------------------------------------ fatbins
 
 
-def _fatbin_summary(path: Path, capability: str) -> dict:
-    return fatbin.coverage(path, capability)
-
-
 def _cubin_arch(path: Path) -> str | None:
     """sm_XY of a standalone cubin (ELF e_flags bits 8-15 hold the SM number)."""
     try:
@@ -308,14 +304,14 @@ def fatbin_facts(sp: Path, capability: str) -> dict:
     facts: dict = {}
     torch_lib = sp / "torch" / "lib"
     if torch_lib.is_dir():
-        facts["torch"] = [_fatbin_summary(p, capability) for p in sorted(torch_lib.glob("libtorch_cuda*.so"))]
+        facts["torch"] = [fatbin.coverage(p, capability) for p in sorted(torch_lib.glob("libtorch_cuda*.so"))]
     sgl = sp / "sgl_kernel"
     if sgl.is_dir():
         # sgl_kernel/__init__ loads sm90/common_ops only on capability 9.0; SM120 (and no GPU) gets sm100/
         variant = "sm90" if capability == "9.0" else "sm100"
         facts["sgl_kernel_variant"] = variant
-        facts["sgl_kernel"] = [_fatbin_summary(p, capability) for p in sorted((sgl / variant).glob("common_ops*.so"))]
-        facts["sgl_kernel_other"] = [_fatbin_summary(p, capability) for p in sorted(sgl.glob("*.so"))]
+        facts["sgl_kernel"] = [fatbin.coverage(p, capability) for p in sorted((sgl / variant).glob("common_ops*.so"))]
+        facts["sgl_kernel_other"] = [fatbin.coverage(p, capability) for p in sorted(sgl.glob("*.so"))]
     cubin_dir = sp / "flashinfer_cubin"
     if cubin_dir.is_dir():
         archs: dict[str, int] = {}
@@ -325,7 +321,7 @@ def fatbin_facts(sp: Path, capability: str) -> dict:
         facts["flashinfer_cubin"] = {"cubins": sum(archs.values()), "archs": dict(sorted(archs.items()))}
     jit = sp / "flashinfer_jit_cache"
     if jit.is_dir():
-        summaries = [_fatbin_summary(p, capability) for p in _so_files(jit)]
+        summaries = [fatbin.coverage(p, capability) for p in _so_files(jit)]
         facts["flashinfer_jit_cache"] = {
             "files": len(summaries),
             "covering": sum(1 for s in summaries if s.get("covers")),
