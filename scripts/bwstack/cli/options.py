@@ -70,6 +70,18 @@ def existing_dir(value: str) -> str:
     return value
 
 
+def sha256_digest(value: str) -> str:
+    if value.strip() and not re.fullmatch(r"[0-9a-f]{64}", value):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a sha256 digest (64 lowercase hex characters)")
+    return value
+
+
+def absolute_path(value: str) -> str:
+    if value.strip() and not value.startswith("/"):
+        raise argparse.ArgumentTypeError(f"{value!r}: give an absolute path")
+    return value
+
+
 def port(text: str) -> int:
     try:
         number = int(text)

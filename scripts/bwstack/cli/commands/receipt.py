@@ -19,9 +19,12 @@ def add_options(p: argparse.ArgumentParser) -> None:
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--check", action="store_true", help="say whether the node is converged (exit 0 either way)")
     mode.add_argument("--write", action="store_true", help="record the node as provisioned from these inputs")
-    p.add_argument("--inputs", required=True, metavar="SHA256", help="the digest of the run's inputs (the play's)")
     p.add_argument(
-        "--watch", action="append", default=[], metavar="PATH",
+        "--inputs", required=True, type=options.sha256_digest, metavar="SHA256",
+        help="the digest of the run's inputs (the play's)",
+    )  # fmt: skip
+    p.add_argument(
+        "--watch", action="append", default=[], type=options.absolute_path, metavar="PATH",
         help="a file or directory the run made, fingerprinted with the receipt (repeatable; absolute)",
     )  # fmt: skip
 
