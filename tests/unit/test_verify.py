@@ -6,10 +6,13 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 
 import pytest
 from helpers import needs_py312
+
+from bwstack.image import daemon as docker_daemon
 
 pytestmark = needs_py312
 
@@ -153,17 +156,12 @@ def test_a_host_without_python3_is_one_line(stack, tmp_path):
     assert line.endswith(f"(local): not checked: {want}; install python3")
 
 
-def _docker_daemon_answers() -> bool:
-    if shutil.which("docker") is None:
-        return False
-    try:
-        return subprocess.run(["docker", "info"], capture_output=True, timeout=30).returncode == 0
-    except subprocess.TimeoutExpired:
-        return False
+# testinfra's docker:// backend runs the docker CLI against the daemon image.daemon checks for
+_DOCKER_OK, _DOCKER_WHY = docker_daemon.daemon_available() if shutil.which("docker") else (False, "no docker CLI")
 
 
 @pytest.mark.docker
-@pytest.mark.skipif(not _docker_daemon_answers(), reason="no Docker daemon (start dockerd)")
+@pytest.mark.skipif(not _DOCKER_OK, reason=_DOCKER_WHY)
 def test_a_container_that_does_not_exist_is_one_line(stack):
     result = stack.run("verify", "--no-runtime", "--target", "docker://bwstack-no-such-container")
     (line,) = _one_line_per_host(result)
@@ -253,9 +251,6 @@ def test_a_host_whose_key_is_not_in_the_known_hosts_file_is_refused_in_one_line(
 
 def test_verify_without_pytest_testinfra_is_one_line_not_an_internal_error():
     """A Python without testinfra (a GPU host's own venv running bwstack from a checkout) is told what to install."""
-    import subprocess
-    import sys
-
     hide_testinfra = (
         "import importlib.util, sys\n"
         "found = importlib.util.find_spec\n"
