@@ -28,7 +28,7 @@ def real_lock_path() -> Path:
 
 
 @pytest.fixture
-def stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def stack(tmp_path: Path):
     """A fixture stack: lock + wheelhouse + store env vars pointing into tmp_path."""
     lock, wheelhouse = fakestack.make_stack(tmp_path)
 
@@ -49,10 +49,6 @@ def stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         # a store of its own, cache included: these tests watch what enters the cache
         "BWSTACK_CACHE": str(s.root / "cache"),
     }
-    # The same store in this process as in the CLI's: a BWSTACK_CACHE that CI exports for the slow tier would
-    # otherwise send a test's in-process Layout to another cache than the commands it runs.
-    for key, value in s.env.items():
-        monkeypatch.setenv(key, value)
 
     def run(*args: str, check: bool = False, extra_env: dict | None = None):
         return bwstack("--lock", str(lock), *args, env={**s.env, **(extra_env or {})}, check=check)
@@ -134,7 +130,7 @@ def real(tmp_path_factory):
     r.base, r.env, r.lock = base, env, lock
     r.build = json.loads(result.stdout)
     r.run = lambda *args, **kw: bwstack("--lock", str(lock), *args, env={**env, **kw.pop("extra_env", {})}, **kw)
-    r.store = Store(Layout(base / "root", base / "ml-env", None, None))
+    r.store = Store(Layout.default(str(base / "root"), str(base / "ml-env"), "none"))  # BWSTACK_CACHE as the CLI
     r.ml_env = base / "ml-env"
     return r
 

@@ -185,7 +185,7 @@ class Bench:
         self.lock_path.write_text(yaml.safe_dump(doc, sort_keys=False))
 
     def layout(self, name: str) -> Layout:
-        return Layout(self.work / name / "root", self.work / name / "ml-env", None, None)
+        return Layout(self.work / name / "root", self.work / name / "ml-env", None, None, cache_dir=self.cache)
 
     def wheelhouse(self) -> Path:
         """The closure's wheels in one flat directory (links into the content-addressed store)."""

@@ -28,6 +28,9 @@ class Layout:
     cuda_link: Path | None
     profile_d: Path | None
     take_over_links: bool = False
+    # Wheels and uv's unpacked cache (None: <root>/cache). BWSTACK_CACHE, read once by `default`, shares one
+    # between stores (same filesystem, so generations still hard-link from it).
+    cache_dir: Path | None = None
 
     @classmethod
     def default(
@@ -47,7 +50,15 @@ class Layout:
             link_value = "/usr/local/cuda" if is_root else "none"
         link = None if link_value == "none" else Path(link_value)
         profile_d = Path("/etc/profile.d/bwstack.sh") if is_root and root_value is None and link is not None else None
-        return cls(root_path.absolute(), ml.absolute(), link.absolute() if link else None, profile_d, take_over_links)
+        cache_value = setting(None, "BWSTACK_CACHE")
+        return cls(
+            root_path.absolute(),
+            ml.absolute(),
+            link.absolute() if link else None,
+            profile_d,
+            take_over_links,
+            Path(cache_value).absolute() if cache_value else None,
+        )
 
     @property
     def generations(self) -> Path:
@@ -63,9 +74,7 @@ class Layout:
 
     @property
     def cache(self) -> Path:
-        """Wheels and uv's unpacked cache. BWSTACK_CACHE shares one between stores (same filesystem, so
-        generations still hard-link from it)."""
-        return Path(setting(None, "BWSTACK_CACHE") or self.root / "cache")
+        return self.cache_dir if self.cache_dir is not None else self.root / "cache"
 
     @property
     def wheel_store(self) -> Path:
