@@ -3,24 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
 import tempfile
 from pathlib import Path
-
-CHUNK = 4 << 20
-
-
-def sha256_file(path: str | os.PathLike, *, follow_links: bool = False) -> str:
-    """The file's sha256 (hex). A link at `path` itself is refused (ELOOP) unless the caller allows it: a hash
-    taken through a link someone else placed would vouch for their file."""
-    flags = os.O_RDONLY | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW)
-    digest = hashlib.sha256()
-    with open(os.open(path, flags), "rb", buffering=0) as handle:
-        while chunk := handle.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def fsync_dir(path: Path) -> None:

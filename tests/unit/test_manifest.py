@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from bwstack.fsutil import sha256_file
+from bwstack.probe.treecheck import sha256_file
 from bwstack.store import manifest
 
 

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 
 import pytest
 from helpers import needs_py312
 
-from bwstack.fsutil import sha256_file
 from bwstack.probe import main as probe
 from bwstack.probe import sealed
+from bwstack.probe.treecheck import sha256_file
 from bwstack.store import manifest
 from bwstack.store.generations import Store
 from bwstack.store.layout import Layout
@@ -47,12 +48,13 @@ def _append(gen: Path) -> str:
 
 
 def _replace(gen: Path) -> str:
-    """A new inode with different bytes (what an installer does), mtime and size put back as they were."""
+    """A new inode with different bytes (what an installer does), mode, mtime and size put back as they were."""
     path = _torch_version_py(gen)
     st = os.lstat(path)
     text = path.read_text().replace("2.9.1", "2.9.7")
     os.unlink(path)
     path.write_text(text)
+    os.chmod(path, stat.S_IMODE(st.st_mode))
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     return "2.9.7+cu130"
 
@@ -117,6 +119,47 @@ def test_a_generation_changed_after_sealing_is_read_from_its_files(built, tamper
     assert why in facts["facts_source"]["why"]
     if new_version:  # the fallback read the changed file, not the record
         assert facts["env"]["torch_version_py"]["version"] == new_version
+
+
+def _touch(gen: Path) -> None:
+    """The bytes as sealed, the mtime moved (a `touch`, a reinstall that wrote the same file again)."""
+    path = _torch_version_py(gen)
+    st = os.lstat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+
+
+@needs_py312
+def test_a_file_whose_mtime_moved_but_whose_bytes_are_as_sealed_keeps_the_recorded_facts(built):
+    _touch(_generation(built))
+    static, why = sealed.load_static(built.ml_env, CAPABILITY)
+    assert static is not None, why
+    assert sealed.unchanged_generation(built.ml_env) is None
+    facts = probe.collect(built.ml_env, CAPABILITY, runtime=False, imports=False)
+    assert facts["facts_source"]["static"] == "recorded", facts["facts_source"]
+
+
+@needs_py312
+def test_a_content_check_that_found_the_sealed_bytes_is_remembered_until_the_tree_moves_again(built, monkeypatch):
+    gen = _generation(built)
+    _touch(gen)
+    assert sealed.unchanged_generation(built.ml_env) is None  # compared the bytes with the manifest once
+
+    def compared_again(*args, **kwargs):
+        raise AssertionError("the same tree was compared with its manifest again")
+
+    monkeypatch.setattr(sealed.treecheck, "differences", compared_again)
+    assert sealed.unchanged_generation(built.ml_env) is None
+    _touch(gen)  # moved again: the remembered check no longer describes this tree
+    with pytest.raises(AssertionError, match="compared with its manifest again"):
+        sealed.unchanged_generation(built.ml_env)
+
+
+@needs_py312
+def test_the_reason_a_changed_generation_is_read_again_names_the_path_and_what_changed(built):
+    _replace(_generation(built))  # same size and mtime, other bytes: only the hash tells
+    static, why = sealed.load_static(built.ml_env, CAPABILITY)
+    assert static is None
+    assert "site-packages/torch/version.py: content changed" in why, why
 
 
 @needs_py312

@@ -194,6 +194,29 @@ def test_the_fix_search_replans_with_sglang_and_keeps_only_what_runs():
     )
 
 
+def test_the_fix_search_plans_its_likely_answer_beside_the_candidates_not_in_another_interpreter():
+    """The seed's model: attention and sampling each fail; both first candidates together are planned in the
+    candidates' batch, so the final plan needs no second start of SGLang (seconds of imports on a node)."""
+    replay = Replay("llama-eagle3-tp8-sm120")
+    observation = fixture("llama-eagle3-tp8-sm120")["base"]
+    plan = assemble.plan_for(observation, 0, catalogue.load())
+    fix = assemble.find_fix(plan, observation["requests"][0], catalogue.load(), replay)
+    assert fix.fixes and fix.flags == ("--attention-backend", "triton", "--sampling-backend", "pytorch")
+    assert len(replay.asked) == 1, "the final plan was made again"
+    assert replay.asked[0][-1]["server_args"] == {"attention_backend": "triton", "sampling_backend": "pytorch"}
+
+
+def test_the_fix_search_plans_the_chosen_changes_again_when_the_likely_answer_was_not_them():
+    """DeepSeek-V3: the environment candidate needs its own interpreter and the first dense GEMM change is
+    rejected, so what is chosen was not planned yet: one more run plans exactly it."""
+    replay = Replay("deepseek-v3-tp8-sm120")
+    observation = fixture("deepseek-v3-tp8-sm120")["base"]
+    plan = assemble.plan_for(observation, 0, catalogue.load())
+    fix = assemble.find_fix(plan, observation["requests"][0], catalogue.load(), replay)
+    assert len(replay.asked) == 2
+    assert replay.asked[1][0]["server_args"] == fix.server_args
+
+
 def test_the_check_passes_listing_the_flags_when_they_fix_the_model():
     outcome = check.judge(
         fixture("gpt-oss-20b-tp8-sm120")["base"], 0, catalogue.load(), Replay("gpt-oss-20b-tp8-sm120")

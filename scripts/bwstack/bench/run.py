@@ -369,12 +369,22 @@ class Bench:
         warm = [_timed(lambda: subprocess.run(cmd, capture_output=True, text=True)) for _ in range(self.runs)]
         gen = store.active()
         assert gen is not None
-        cold, reasons = [], []
+        site = next(gen.env.glob("lib/python3.*/site-packages"))
+        # torch/version.py: every import check and SGLang's planner import it.
+        changed = next(site.glob("torch/version.py"), None) or next(p for p in site.rglob("*.py") if p.is_file())
+        original = changed.read_bytes()
+        touched, cold, reasons = [], [], []
         for i in range(self.runs):
-            # A changed file (mtime moved: what any write does) makes the recorded facts unusable: cold.
-            site = next(gen.env.glob("lib/python3.*/site-packages"))
-            touched = next(site.glob("torch/version.py"), None) or next(p for p in site.rglob("*.py") if p.is_file())
-            os.utime(touched, ns=(time.time_ns(), time.time_ns() + i))
+            # The mtime moved, the bytes as sealed (a `touch`, a reinstall of the same file): the tree is
+            # compared with the manifest, the moved file hashed, and the recorded facts kept.
+            os.utime(changed, ns=(time.time_ns(), time.time_ns() + i))
+            touched.append(_timed(lambda: subprocess.run(cmd, capture_output=True, text=True)))
+        for i in range(self.runs):
+            # Other bytes in a file everything imports (a new inode: never through a link into the cache): every
+            # fact is read from the files again, the imports and SGLang's plans (and the fix search's) run again.
+            tmp = changed.with_name(f".{changed.name}.bench")
+            tmp.write_bytes(original + f"# bwstack bench: cold run {i}\n".encode())
+            os.replace(tmp, changed)
             started = time.perf_counter()
             done = subprocess.run(cmd, capture_output=True, text=True)
             cold.append(time.perf_counter() - started)
@@ -384,9 +394,13 @@ class Bench:
             Figure("P5", "verify, unchanged sealed generation (whole command)", warm, goal="<= 2 s",
                    note="static facts recorded at build time, import and serve-plan results of the last run reused "
                         "after the generation's tree and the host were found unchanged"),
+            Figure("P5", "verify, a file's mtime moved, its bytes as sealed (whole command)", touched,
+                   note="the tree compared with the manifest and the moved file hashed; the recorded facts and "
+                        "results reused"),
             Figure("P5", "verify, generation changed after sealing (cold, whole command)", cold, goal="<= 8 s",
-                   note=f"one file's mtime moved before each run: every fact read from the files, the imports "
-                        f"and SGLang's serve plan (and the fix search's plans) run again; exit codes {reasons}"),
+                   note=f"{changed.relative_to(site)} given other bytes before each run: every fact read from the "
+                        f"files, the imports and SGLang's serve plan (and the fix search's plans) run again; "
+                        f"exit codes {reasons}"),
         ]  # fmt: skip
 
     def p7(self) -> list[Figure]:

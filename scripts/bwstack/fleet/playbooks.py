@@ -35,7 +35,7 @@ from bwstack import paths
 from bwstack.checks import hostspec
 from bwstack.errors import BwstackError, UsageError
 from bwstack.fleet.settings import PlaybookSettings
-from bwstack.fsutil import sha256_file
+from bwstack.probe.treecheck import sha256_file
 
 GROUP = "bwstack_nodes"
 # Fixed zip timestamps (2026-01-01): an unchanged checkout gives the same wheel bytes, so shipping it to a

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bwstack.errors import BwstackError
-from bwstack.fsutil import sha256_file
+from bwstack.probe.treecheck import sha256_file
 
 # What bwstack needs at build time inside the image (env install, cuda install, patch apply); the rest of its
 # dependencies (docker, ansible-core, pytest, pyelftools, zstandard) serve other commands.

@@ -508,30 +508,34 @@ def collect(
     if reused is not None:
         facts["imports"] = reused
         facts["facts_source"]["imports"] = "recorded"
-    pool = ThreadPoolExecutor(max_workers=1)
+    pool = ThreadPoolExecutor(max_workers=2)
     pending = pool.submit(import_facts, env, sp, facts["gpu"]["present"]) if imports and reused is None else None
     facts["cuda"] = cuda_facts(env, capability)
     lap("cuda")
     if static:  # what a fix search's serve-plan runs of this verify hand back to skip the unchanged check
         facts["facts_source"]["reuse"] = {"basis": sealed.basis(env), "gpu": gpu_key, "cuda": facts["cuda"]}
+    # SGLang's planner is another process too: it starts before the ELF files are read, beside the imports.
+    planning, plan_key = None, None
+    if serve_plan and serve_plan.get("requests"):
+        from bwstack.probe.serveplan import node
+
+        plan_key = sealed.derived_key(env, "serve-plan", serve_plan, gpu_key, facts["cuda"]) if static else None
+        facts["serve_plan"] = sealed.load_derived(env, plan_key)
+        if facts["serve_plan"] is None:
+            device = node.resolve_device(serve_plan["device"], env)
+            planning = pool.submit(node.observe, env, device, serve_plan["requests"], cuda=facts["cuda"])
+        else:
+            facts["facts_source"]["serve_plan"] = "recorded"
     if static:
         facts["elf"], facts["fatbin"], facts["features"] = static["elf"], static["fatbin"], static["features"]
         lap("static facts (recorded)")
     else:
         facts.update(static_facts(env, sp, capability, facts["env"].get("torch_version_py") or {}))
         lap("elf, fatbin, features")
-    if serve_plan and serve_plan.get("requests"):
-        from bwstack.probe.serveplan import node
-
-        key = sealed.derived_key(env, "serve-plan", serve_plan, gpu_key, facts["cuda"]) if static else None
-        facts["serve_plan"] = sealed.load_derived(env, key)
-        if facts["serve_plan"] is None:
-            device = node.resolve_device(serve_plan["device"], env)
-            facts["serve_plan"] = node.observe(env, device, serve_plan["requests"], cuda=facts["cuda"]).as_dict()
-            sealed.save_derived(env, key, facts["serve_plan"])
-        else:
-            facts["facts_source"]["serve_plan"] = "recorded"
-        lap("serve-plan")
+    if planning is not None:
+        facts["serve_plan"] = planning.result().as_dict()
+        sealed.save_derived(env, plan_key, facts["serve_plan"])
+        lap("serve-plan (rest)")
     if pending is not None:
         facts["imports"] = pending.result()
         sealed.save_derived(env, import_key, facts["imports"])

@@ -5,15 +5,19 @@ mode, owner, size, inode and mtime. The expensive facts the checks need (install
 fatbins, SM120 features) are read from those files, so `bwstack build` computes them once into `facts.json` in
 the generation directory, before the manifest is written (the manifest covers it). `bwstack verify` reuses
 them after a quick check: every path still matches its manifest row (kind, mode, owner, size, inode, mtime;
-nothing added, nothing missing). Any difference, or a host whose loader view changed (the ld.so cache, the
-system library directories, the interpreter), makes the probe read the files again ("cold").
+nothing added, nothing missing). When that stamp moved, the bytes decide: each path is compared with its
+manifest row and the files whose inode or mtime moved are hashed (probe.treecheck); the same bytes are the
+sealed generation (a `touch`, a file rewritten with what it held), and that answer is remembered for the new
+stamp. Any real difference, or a host whose loader view changed (the ld.so cache, the system library
+directories, the interpreter), makes the probe read the files again ("cold").
 
 The import checks also depend on the host (its libraries, the driver): their results are kept in the store's
 cache, keyed by the generation, its manifest and the same host fingerprint plus the GPU and driver, and reused
 only while all of those match.
 
-A restored generation (bwstack restore) carries its facts.json, but its files have new inodes and mtimes, so its
-verify reads the files (cold) every time.
+A restored or repaired generation carries its facts.json, but its files have new inodes and mtimes: its first
+verify compares the tree with its manifest (hashing what moved since the manifest's fingerprints), later ones
+are quick again. Before, such a generation was read cold by every verify.
 
 Standard library only: this module runs on target hosts inside the verify probe.
 """
@@ -29,6 +33,8 @@ import stat
 import subprocess
 import time
 from pathlib import Path
+
+from bwstack.probe import treecheck
 
 FACTS_NAME = "facts.json"
 FACTS_FORMAT = 1
@@ -143,6 +149,52 @@ def _matches_row(path: Path, row: list | None) -> bool:
     )
 
 
+# ------------------------------------------------------------------------------------------------ the tree
+
+
+def _manifest_rows_under_env(gen: Path) -> list[list] | None:
+    """The manifest's rows for env/ with paths relative to env/ ("." for env/ itself); None when the manifest
+    cannot be read as a format 2 manifest (regular file, bounded size, never through a link)."""
+    try:
+        doc = json.loads(treecheck.read_bounded(gen / MANIFEST_NAME))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != 2 or not isinstance(doc.get("files"), list):
+        return None
+    rows = []
+    for row in doc["files"]:
+        if not (isinstance(row, list) and len(row) == 9 and isinstance(row[0], str)):
+            return None
+        if row[0] == "env" or row[0].startswith("env/"):
+            rows.append([row[0][4:] or ".", *row[1:]])
+    return rows
+
+
+def _tree_changed(gen: Path, tree: dict) -> str | None:
+    """None when the generation's env/ holds what it was sealed with, else why not.
+
+    The quick answer is the tree stamp recorded with the facts (every path's kind, inode, size, mtime, mode and
+    owner). When it differs, the bytes decide: every path is compared with its manifest row, re-hashing only the
+    files whose inode or mtime moved (probe.treecheck, the store's own comparison). Equal content is the sealed
+    generation (a file rewritten with the same bytes, a `touch`): the facts hold, and the new stamp is remembered
+    in the store's cache so the next run is quick again."""
+    method, digest = tree.get("method"), tree.get("digest")
+    now = tree_stamp(gen / "env", method)
+    if now == (method, digest):
+        return None
+    key = derived_key(gen / "env", "tree-content-checked", digest, now)
+    known = load_derived(gen / "env", key)  # this very tree was compared before: True, or why it differs
+    if known is True or (isinstance(known, str) and known):
+        return None if known is True else known
+    rows = _manifest_rows_under_env(gen)
+    if rows is None:
+        return f"generation {gen.name} changed since it was sealed (its manifest is unreadable)"
+    found = treecheck.differences(gen / "env", rows, first_only=True)
+    answer = f"generation {gen.name} changed since it was sealed (env/{found[0][0]}: {found[0][1]})" if found else True
+    save_derived(gen / "env", key, answer)
+    return None if answer is True else answer
+
+
 # ------------------------------------------------------------------------------------------------ static facts
 
 
@@ -188,9 +240,9 @@ def load_static(env: Path, capability: str) -> tuple[dict | None, str]:
             return None, f"{FACTS_NAME} has another format"
         if doc.get("capability") != capability:
             return None, f"{FACTS_NAME} was computed for capability {doc.get('capability')}, not {capability}"
-        tree = doc.get("tree") or {}
-        if tree_stamp(gen / "env", tree.get("method")) != (tree.get("method"), tree.get("digest")):
-            return None, f"generation {gen.name} changed since it was sealed (a path under env/ differs)"
+        changed = _tree_changed(gen, doc.get("tree") or {})
+        if changed:
+            return None, changed
         if doc.get("host") != host_fingerprint(env):
             return None, "the host's libraries or interpreter changed since the facts were computed"
         text = _relocate(json.dumps(doc["facts"]), doc["env_prefix"], str(env))
@@ -298,8 +350,9 @@ def unchanged_generation(env: Path) -> str | None:
         tree = doc.get("tree") or {}
     except (OSError, ValueError, AttributeError):
         return f"{FACTS_NAME} unreadable"
-    if tree_stamp(gen / "env", tree.get("method")) != (tree.get("method"), tree.get("digest")):
-        return f"generation {gen.name} changed since it was sealed (a path under env/ differs)"
+    changed = _tree_changed(gen, tree)
+    if changed:
+        return changed
     if doc.get("host") != host_fingerprint(env):
         return "the host's libraries or interpreter changed since the facts were computed"
     return None

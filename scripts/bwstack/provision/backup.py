@@ -21,7 +21,7 @@ from pathlib import Path
 
 from bwstack.errors import BwstackError, UsageError
 from bwstack.lock.model import Lock
-from bwstack.probe import envinspect
+from bwstack.probe import envinspect, treecheck
 from bwstack.store import manifest
 from bwstack.store.generations import (
     BUILDING_PREFIX,
@@ -158,7 +158,7 @@ def _link_tree(src: Path, dest: Path) -> None:
     """cp -al: directories recreated, files hard-linked, symlinks copied (bytecode included)."""
     os.mkdir(dest, 0o755)
     src_s, dest_s = str(src), str(dest)
-    for rel, st in manifest.walk(src):
+    for rel, st in treecheck.walk(src):
         if rel == ".":
             continue
         source, target = os.path.join(src_s, rel), os.path.join(dest_s, rel)

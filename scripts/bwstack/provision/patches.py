@@ -22,9 +22,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bwstack.errors import BwstackError, IntegrityError, PreflightError, UsageError
-from bwstack.fsutil import atomic_write_bytes, sha256_file
+from bwstack.fsutil import atomic_write_bytes
 from bwstack.lock.patch_catalogue import Edit, Family, Patch, PatchCatalogueError, catalogue
 from bwstack.probe.features import dist_version
+from bwstack.probe.treecheck import sha256_file
 
 # per-file states
 ORIGINAL = "original"
@@ -35,6 +36,7 @@ NOT_INSTALLED = "not-installed"
 UNSUPPORTED = "unsupported-version"
 # overall state only: some files original, the others applied (an interrupted apply/revert; both finish it)
 PARTIAL = "partial"
+
 
 class PatchRefusedError(PreflightError):
     """A patch cannot be applied or reverted safely here; nothing was written."""

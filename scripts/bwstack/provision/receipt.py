@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bwstack.errors import BwstackError
-from bwstack.fsutil import atomic_write_text, sha256_file
+from bwstack.fsutil import atomic_write_text
 from bwstack.probe import sealed
+from bwstack.probe.treecheck import sha256_file
 from bwstack.store.generations import Store
 from bwstack.store.layout import Layout
 

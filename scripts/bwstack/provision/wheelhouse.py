@@ -26,9 +26,10 @@ from pathlib import Path
 import requests
 
 from bwstack.errors import BwstackError, HashMismatchError, UsageError
-from bwstack.fsutil import free_bytes, sha256_file
+from bwstack.fsutil import free_bytes
 from bwstack.lock import pypi
 from bwstack.lock.model import LockedPackage, Wheel
+from bwstack.probe.treecheck import sha256_file
 from bwstack.provision.progress import DownloadProgress
 
 CHUNK = 1 << 20
@@ -82,7 +83,6 @@ class Sources:
 
 def _store_path(store: Path, sha256: str, file: str) -> Path:
     return store / sha256[:2] / sha256 / file
-
 
 
 def _is_regular(path: Path) -> bool:

@@ -679,6 +679,13 @@ def _candidates(plan: Plan, catalogue: Catalogue) -> list[tuple[str, _Candidate]
     return unique
 
 
+def _first_per_component(candidates: list[tuple[str, _Candidate]]) -> list[_Candidate]:
+    firsts: dict[str, _Candidate] = {}
+    for component, cand in candidates:
+        firsts.setdefault(component, cand)
+    return list(firsts.values())
+
+
 def _apply(request: Mapping, cands: list[_Candidate]) -> dict:
     new = {k: v for k, v in request.items()}
     args = dict(new.get("server_args") or {})
@@ -699,7 +706,15 @@ def find_fix(plan: Plan, request: Mapping, catalogue: Catalogue, run: Runner) ->
     failing = {p.component for p in plan.failing}
     if not candidates:
         return Fix((), {}, {}, (), False, tuple(sorted(failing)))
-    tried = run([_apply(request, [c]) for _, c in candidates])
+    batch = [_apply(request, [c]) for _, c in candidates]
+    # The likely answer (each failing component's first candidate, together) is planned in the same batch when it
+    # needs no interpreter of its own (same environment as a candidate): SGLang's imports cost an interpreter
+    # seconds, one more plan in it well under one. Which changes are kept is still decided below.
+    firsts = _first_per_component(candidates)
+    likely = _apply(request, firsts)
+    if len(firsts) > 1 and any(r["env"] == likely["env"] for r in batch):
+        batch.append(likely)
+    tried = run(batch)
     passing_before = {p.component for p in plan.paths if not p.fails}
     chosen: list[_Candidate] = []
     rejected: list[str] = []
@@ -716,7 +731,9 @@ def find_fix(plan: Plan, request: Mapping, catalogue: Catalogue, run: Runner) ->
         fixed |= failing - still
     if not chosen:
         return Fix((), {}, {}, (), False, tuple(sorted(failing)), rejected=tuple(rejected))
-    final = plan_for(run([_apply(request, chosen)]), 0, catalogue)
+    wanted = _apply(request, chosen)
+    planned = next((i for i, r in enumerate(batch) if r == wanted), None)  # the same request: the same plan
+    final = plan_for(tried, planned, catalogue) if planned is not None else plan_for(run([wanted]), 0, catalogue)
     flags = tuple(f for c in chosen for f in c.flags)
     env = {k: v for c in chosen for k, v in c.env.items()}
     args = {k: v for c in chosen for k, v in c.server_args.items()}

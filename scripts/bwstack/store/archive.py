@@ -37,6 +37,7 @@ from pathlib import Path
 import zstandard
 
 from bwstack.errors import BwstackError, IntegrityError, UsageError
+from bwstack.probe import treecheck
 from bwstack.store import manifest
 from bwstack.store.generations import (
     BUILDING_PREFIX,
@@ -94,7 +95,7 @@ def write_archive(gen: Generation, path: Path, level: int = 3) -> dict:
                         tar.add(gen.path / rel, arcname=f"{TOP}/{rel}")
                 if gen.cuda.is_symlink():
                     tar.add(gen.cuda, arcname=f"{TOP}/cuda")
-                for rel, _ in manifest.walk(gen.env):
+                for rel, _ in treecheck.walk(gen.env):
                     name = f"{TOP}/env" if rel == "." else f"{TOP}/env/{rel}"
                     tar.add(gen.env / rel if rel != "." else gen.env, arcname=name, recursive=False)
                 checkpoint("archive-before-close")

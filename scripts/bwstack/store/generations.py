@@ -38,8 +38,9 @@ from importlib import resources
 from pathlib import Path
 
 from bwstack.errors import BwstackError, IntegrityError, UsageError
-from bwstack.fsutil import atomic_symlink, atomic_write_text, fsync_dir, sha256_file
+from bwstack.fsutil import atomic_symlink, atomic_write_text, fsync_dir
 from bwstack.probe import envinspect, interp
+from bwstack.probe.treecheck import sha256_file
 from bwstack.store import manifest
 from bwstack.store import record as record_module
 from bwstack.store.layout import Layout

@@ -21,18 +21,17 @@ import hashlib
 import json
 import os
 import stat
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from bwstack.fsutil import sha256_file
+from bwstack.probe.treecheck import differences, read_bounded, sha256_file, walk
 
 FORMAT = 2
 MANIFEST_NAME = "manifest.json"
 
 CHUNK = 4 << 20
-MAX_MANIFEST_BYTES = 512 << 20
 KINDS = ("f", "l", "d")
 
 
@@ -126,40 +125,12 @@ def parse(text: str | bytes) -> Manifest:
 def read(path: Path) -> Manifest:
     """Read a manifest file: a regular file (never through a link) of bounded size."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        data = read_bounded(path)
     except OSError as exc:
         raise ManifestError(f"{path}: cannot open ({exc.strerror})") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ManifestError(f"{path}: not a regular file")
-        if st.st_size > MAX_MANIFEST_BYTES:
-            raise ManifestError(f"{path}: {st.st_size} bytes, more than a manifest can be")
-        with os.fdopen(os.dup(fd), "rb") as handle:
-            data = handle.read(MAX_MANIFEST_BYTES + 1)
-    finally:
-        os.close(fd)
+    except ValueError as exc:
+        raise ManifestError(str(exc)) from None
     return parse(data)
-
-
-
-
-def walk(
-    root: Path, *, skip_top: Iterable[str] = (), skip_dirs: Iterable[str] = ()
-) -> Iterator[tuple[str, os.stat_result]]:
-    """(relative path, lstat) of root itself ("."), then everything under it in a stable order. Never follows
-    a link. `skip_top` names entries of the root to leave out; `skip_dirs` directory names to leave out."""
-    root_str = str(root)
-    skip_top, skip_dirs = set(skip_top), set(skip_dirs)
-    yield ".", os.lstat(root_str)
-    for dirpath, dirnames, filenames in os.walk(root_str):
-        at_top = dirpath == root_str
-        dirnames[:] = sorted(d for d in dirnames if d not in skip_dirs and not (at_top and d in skip_top))
-        rel_dir = os.path.relpath(dirpath, root_str)
-        names = sorted(dirnames) + sorted(f for f in filenames if not (at_top and f in skip_top))
-        for name in names:
-            rel = name if rel_dir == "." else f"{rel_dir}/{name}"
-            yield rel, os.lstat(os.path.join(dirpath, name))
 
 
 def build(
@@ -210,13 +181,6 @@ class Problem:
         return f"{self.path}: {self.what}"
 
 
-def _describe_mode(mode: int) -> str:
-    notes = [
-        w for bit, w in ((0o020, "group-writable"), (0o002, "world-writable"), (0o6000, "setuid/setgid")) if mode & bit
-    ]
-    return f"{mode:04o}" + (f" ({', '.join(notes)})" if notes else "")
-
-
 def verify(
     root: Path,
     manifest: Manifest | list[Entry],
@@ -224,73 +188,14 @@ def verify(
     workers: int | None = None,
     skip_top: Iterable[str] = (MANIFEST_NAME,),
 ) -> list[Problem]:
-    """Differences between `root` now and its manifest; empty when it verifies."""
+    """Differences between `root` now and its manifest; empty when it verifies (probe.treecheck compares)."""
     if isinstance(manifest, Manifest):
         entries, legacy = manifest.entries, manifest.legacy
     else:
         entries, legacy = manifest, False
-    expected = {e.path: e for e in entries}
-    problems: list[Problem] = []
-    suspects: list[Entry] = []
-    seen: set[str] = set()
-    # A legacy manifest never recorded bytecode or the root directory.
-    skip_dirs = ("__pycache__",) if legacy else ()
-    for rel, st in walk(root, skip_top=skip_top, skip_dirs=skip_dirs):
-        if legacy and rel == ".":
-            continue
-        seen.add(rel)
-        entry = expected.get(rel)
-        if entry is None:
-            problems.append(Problem(rel, "not in the manifest (added after the generation was sealed)"))
-            continue
-        problem = _compare(root, rel, st, entry, legacy)
-        if problem:
-            problems.append(Problem(rel, problem))
-        elif entry.kind == "f" and (depth == "full" or st.st_ino != entry.ino or st.st_mtime_ns != entry.mtime_ns):
-            suspects.append(entry)
-    for rel in sorted(set(expected) - seen):
-        problems.append(Problem(rel, "missing"))
-    with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 2) as pool:
-        for entry, sha in zip(suspects, pool.map(lambda e: _safe_hash(root / e.path), suspects), strict=True):
-            if sha != entry.sha256:
-                problems.append(Problem(entry.path, f"content changed (sha256 {sha}, manifest {entry.sha256})"))
-    return sorted(problems, key=lambda p: p.path)
-
-
-def _compare(root: Path, rel: str, st: os.stat_result, entry: Entry, legacy: bool) -> str | None:
-    kind = (
-        "l"
-        if stat.S_ISLNK(st.st_mode)
-        else "d"
-        if stat.S_ISDIR(st.st_mode)
-        else "f"
-        if stat.S_ISREG(st.st_mode)
-        else "?"
-    )
-    names = {"f": "a file", "l": "a symlink", "d": "a directory", "?": "a special file"}
-    if kind != entry.kind:
-        return f"is {names[kind]}, manifest says {names[entry.kind]}"
-    if kind == "l":
-        target = os.readlink(root / rel)
-        if target != entry.sha256:
-            return f"symlink now points to {target!r}, manifest says {entry.sha256!r}"
-    mode = stat.S_IMODE(st.st_mode)
-    if kind != "l" and mode != entry.mode and not (legacy and kind == "d"):
-        return f"mode {_describe_mode(mode)}, manifest says {entry.mode:04o}"
-    if kind == "d" and mode & 0o022:
-        return f"mode {_describe_mode(mode)}: a sealed generation has nothing group- or world-writable"
-    if entry.uid is not None and (st.st_uid, st.st_gid) != (entry.uid, entry.gid):
-        return f"owner {st.st_uid}:{st.st_gid}, manifest says {entry.uid}:{entry.gid}"
-    if kind == "f" and st.st_size != entry.size:
-        return f"size {st.st_size}, manifest says {entry.size}"
-    return None
-
-
-def _safe_hash(path: Path) -> str:
-    try:
-        return sha256_file(path)
-    except OSError as exc:
-        return f"unreadable ({exc.strerror})"
+    rows = [e.as_row() for e in entries]
+    found = differences(root, rows, depth, workers=workers, skip_top=skip_top, legacy=legacy)
+    return [Problem(path, what) for path, what in found]
 
 
 def refingerprint(root: Path, entries: Iterable[Entry]) -> list[Entry]:

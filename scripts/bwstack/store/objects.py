@@ -19,7 +19,7 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
-from bwstack.fsutil import sha256_file
+from bwstack.probe.treecheck import sha256_file
 from bwstack.store import manifest
 
 SHA_LEN = 64

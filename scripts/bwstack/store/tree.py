@@ -12,7 +12,7 @@ import stat
 from pathlib import Path
 
 from bwstack.fsutil import atomic_write_text
-from bwstack.store import manifest
+from bwstack.probe import treecheck
 
 
 def make_writable_parent(path: Path) -> None:
@@ -52,7 +52,7 @@ def take_ownership(env: Path) -> list[str]:
     """Make every path of `env` owned by this process's user (root), or name what another user owns."""
     uid, gid = os.geteuid(), os.getegid()
     foreign = []
-    for rel, st in manifest.walk(env):
+    for rel, st in treecheck.walk(env):
         if (st.st_uid, st.st_gid) != (uid, gid):
             if uid == 0:
                 os.lchown(env / rel, uid, gid)

@@ -1,0 +1,151 @@
+"""Does a tree still hold what its manifest rows say: the one comparison of a generation with its manifest.
+
+The store's `manifest.verify` (before a switch, `bwstack generations`, repair, restore) and the probe's reuse
+of a sealed generation's facts (sealed.py: after a file's mtime moved, are its bytes still the sealed ones?)
+both call `differences`. It lives in the probe because the probe runs on nodes as a standard-library-only
+zipapp and the store may import the probe, not the other way round.
+
+A row is the manifest's list `[path, kind, size, mode, sha256, ino, mtime_ns, uid, gid]`: kind "f", "l" or "d";
+sha256 is a file's content hash and a link's target; uid and gid are None in a legacy (format 1) manifest.
+`quick` re-hashes only the files whose inode or mtime moved (any ordinary write moves the mtime); `full`
+re-hashes every file. Links are never followed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+CHUNK = 4 << 20
+MAX_MANIFEST_BYTES = 512 << 20
+NAMES = {"f": "a file", "l": "a symlink", "d": "a directory", "?": "a special file"}
+
+
+def sha256_file(path: str | os.PathLike, *, follow_links: bool = False) -> str:
+    """The file's sha256 (hex). A link at `path` itself is refused (ELOOP) unless the caller allows it: a hash
+    taken through a link someone else placed would vouch for their file."""
+    flags = os.O_RDONLY | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW)
+    digest = hashlib.sha256()
+    with open(os.open(path, flags), "rb", buffering=0) as handle:
+        while chunk := handle.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_bounded(path: Path) -> bytes:
+    """A manifest file's bytes: a regular file, opened without following a link, of bounded size. OSError or
+    ValueError with a message that names the path."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        if st.st_size > MAX_MANIFEST_BYTES:
+            raise ValueError(f"{path}: {st.st_size} bytes, more than a manifest can be")
+        with os.fdopen(os.dup(fd), "rb") as handle:
+            return handle.read(MAX_MANIFEST_BYTES + 1)
+    finally:
+        os.close(fd)
+
+
+def walk(
+    root: Path, *, skip_top: Iterable[str] = (), skip_dirs: Iterable[str] = ()
+) -> Iterator[tuple[str, os.stat_result]]:
+    """(relative path, lstat) of root itself ("."), then everything under it in a stable order. Never follows
+    a link. `skip_top` names entries of the root to leave out; `skip_dirs` directory names to leave out."""
+    root_str = str(root)
+    skip_top, skip_dirs = set(skip_top), set(skip_dirs)
+    yield ".", os.lstat(root_str)
+    for dirpath, dirnames, filenames in os.walk(root_str):
+        at_top = dirpath == root_str
+        dirnames[:] = sorted(d for d in dirnames if d not in skip_dirs and not (at_top and d in skip_top))
+        rel_dir = os.path.relpath(dirpath, root_str)
+        names = sorted(dirnames) + sorted(f for f in filenames if not (at_top and f in skip_top))
+        for name in names:
+            rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+            yield rel, os.lstat(os.path.join(dirpath, name))
+
+
+def kind_of(st: os.stat_result) -> str:
+    mode = st.st_mode
+    return "l" if stat.S_ISLNK(mode) else "d" if stat.S_ISDIR(mode) else "f" if stat.S_ISREG(mode) else "?"
+
+
+def describe_mode(mode: int) -> str:
+    notes = [
+        w for bit, w in ((0o020, "group-writable"), (0o002, "world-writable"), (0o6000, "setuid/setgid")) if mode & bit
+    ]
+    return f"{mode:04o}" + (f" ({', '.join(notes)})" if notes else "")
+
+
+def compare(root: Path, rel: str, st: os.stat_result, row: Sequence, legacy: bool = False) -> str | None:
+    """What differs between one path and its row, besides its bytes (None: nothing)."""
+    _path, want_kind, size, want_mode, sha, _ino, _mtime, uid, gid = (*row, None, None)[:9]
+    kind = kind_of(st)
+    if kind != want_kind:
+        return f"is {NAMES[kind]}, manifest says {NAMES.get(want_kind, want_kind)}"
+    if kind == "l":
+        target = os.readlink(Path(root) / rel)
+        if target != sha:
+            return f"symlink now points to {target!r}, manifest says {sha!r}"
+    mode = stat.S_IMODE(st.st_mode)
+    if kind != "l" and mode != want_mode and not (legacy and kind == "d"):
+        return f"mode {describe_mode(mode)}, manifest says {want_mode:04o}"
+    if kind == "d" and mode & 0o022:
+        return f"mode {describe_mode(mode)}: a sealed generation has nothing group- or world-writable"
+    if uid is not None and (st.st_uid, st.st_gid) != (uid, gid):
+        return f"owner {st.st_uid}:{st.st_gid}, manifest says {uid}:{gid}"
+    if kind == "f" and st.st_size != size:
+        return f"size {st.st_size}, manifest says {size}"
+    return None
+
+
+def _safe_hash(path: Path) -> str:
+    try:
+        return sha256_file(path)
+    except OSError as exc:
+        return f"unreadable ({exc.strerror})"
+
+
+def differences(
+    root: Path,
+    rows: Iterable[Sequence],
+    depth: str = "quick",
+    *,
+    workers: int | None = None,
+    skip_top: Iterable[str] = (),
+    legacy: bool = False,
+    first_only: bool = False,
+) -> list[tuple[str, str]]:
+    """(path, what differs) for every path of `root` that does not match its row, sorted by path; empty when the
+    tree holds exactly what the rows say. A legacy manifest never recorded bytecode or the root directory.
+    `first_only` stops at the first difference found (the caller only needs to know whether one exists)."""
+    expected = {row[0]: row for row in rows}
+    found: list[tuple[str, str]] = []
+    suspects: list[Sequence] = []
+    seen: set[str] = set()
+    for rel, st in walk(root, skip_top=skip_top, skip_dirs=("__pycache__",) if legacy else ()):
+        if legacy and rel == ".":
+            continue
+        seen.add(rel)
+        row = expected.get(rel)
+        what = "not in the manifest (added after the generation was sealed)" if row is None else None
+        what = what or compare(root, rel, st, row, legacy)
+        if what:
+            found.append((rel, what))
+            if first_only:
+                return found
+        elif row[1] == "f" and (depth == "full" or (st.st_ino, st.st_mtime_ns) != (row[5], row[6])):
+            suspects.append(row)
+    found += [(rel, "missing") for rel in sorted(set(expected) - seen)]
+    if found and first_only:
+        return found[:1]
+    with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 2) as pool:
+        for row, sha in zip(suspects, pool.map(lambda r: _safe_hash(Path(root) / r[0]), suspects), strict=True):
+            if sha != row[4]:
+                found.append((row[0], f"content changed (sha256 {sha}, manifest {row[4]})"))
+    return sorted(found)
