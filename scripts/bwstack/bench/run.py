@@ -42,7 +42,7 @@ from bwstack.lock.read import load_yaml, read_lock_text
 from bwstack.lock.tags import Target, select
 from bwstack.lock.uvtool import run_uv, uv_env
 from bwstack.probe import envinspect
-from bwstack.provision import backup, build
+from bwstack.provision import backup, build, cudatk
 from bwstack.provision.envbuild import find_python
 from bwstack.provision.wheelhouse import Fetcher, Sources
 from bwstack.store.generations import Store
@@ -364,6 +364,11 @@ class Bench:
         """The whole `bwstack verify` command of a sealed generation: unchanged, then after a file changed."""
         store = self._two_generations()
         env = store.layout.ml_env
+        if not Path(self.profile.cuda.home).exists():
+            # The profile's toolkit as a provisioned node has it (the PyPI wheels of CUDA 12.x: no nvcc), so the
+            # plans and the fix search are the node's, not those of an nvcc this machine has elsewhere.
+            fetcher = Fetcher(self.cache / "wheels", Sources(), log=lambda m: None)
+            cudatk.install_pip(self.profile, fetcher, log=lambda m: None)
         cmd = self.verify_cmd(env)
         subprocess.run(cmd, capture_output=True, text=True)  # the first verify of a generation records its results
         warm = [_timed(lambda: subprocess.run(cmd, capture_output=True, text=True)) for _ in range(self.runs)]
