@@ -36,18 +36,18 @@ def sha256_file(path: str | os.PathLike, *, follow_links: bool = False) -> str:
     return digest.hexdigest()
 
 
-def read_bounded(path: Path) -> bytes:
-    """A manifest file's bytes: a regular file, opened without following a link, of bounded size. OSError or
-    ValueError with a message that names the path."""
+def read_bounded(path: Path, limit: int = MAX_MANIFEST_BYTES, what: str = "a manifest") -> bytes:
+    """The bytes of a file the store wrote (a manifest, a record): a regular file, opened without following a
+    link or blocking on a FIFO, of at most `limit` bytes. OSError, or ValueError saying what is wrong with it."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{path}: not a regular file")
-        if st.st_size > MAX_MANIFEST_BYTES:
-            raise ValueError(f"{path}: {st.st_size} bytes, more than a manifest can be")
+            raise ValueError("not a regular file")
+        if st.st_size > limit:
+            raise ValueError(f"{st.st_size} bytes, more than {what} can be")
         with os.fdopen(os.dup(fd), "rb") as handle:
-            return handle.read(MAX_MANIFEST_BYTES + 1)
+            return handle.read(limit + 1)
     finally:
         os.close(fd)
 

@@ -40,7 +40,7 @@ from pathlib import Path
 from bwstack.errors import BwstackError, IntegrityError, UsageError
 from bwstack.fsutil import atomic_symlink, atomic_write_text, fsync_dir
 from bwstack.probe import envinspect, interp
-from bwstack.probe.treecheck import sha256_file
+from bwstack.probe.treecheck import read_bounded, sha256_file
 from bwstack.store import manifest
 from bwstack.store import record as record_module
 from bwstack.store.layout import Layout
@@ -71,21 +71,6 @@ def checkpoint(name: str) -> None:
 # ------------------------------------------------------------------------------------------------ generation
 
 
-def _read_small(path: Path, limit: int) -> bytes:
-    """A regular file's bytes, never through a link, never blocking on a FIFO, at most `limit` bytes."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError("not a regular file")
-        if st.st_size > limit:
-            raise ValueError(f"{st.st_size} bytes, more than a record can be")
-        with os.fdopen(os.dup(fd), "rb") as handle:
-            return handle.read(limit + 1)
-    finally:
-        os.close(fd)
-
-
 def _id_from_name(name: str) -> int | None:
     head = name.split("-", 1)[0]
     return int(head) if head.isdigit() and len(head) == 4 else None
@@ -96,7 +81,7 @@ def read_record(gen_dir: Path) -> tuple[GenerationRecord, str | None]:
     gen_id = _id_from_name(gen_dir.name)
     damaged = record_module.empty(-1 if gen_id is None else gen_id)
     try:
-        data = _read_small(gen_dir / RECORD, MAX_RECORD_BYTES)
+        data = read_bounded(gen_dir / RECORD, MAX_RECORD_BYTES, "a record")
     except FileNotFoundError:
         return damaged, f"{RECORD} is missing"
     except (OSError, ValueError) as exc:

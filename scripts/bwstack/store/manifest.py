@@ -129,7 +129,7 @@ def read(path: Path) -> Manifest:
     except OSError as exc:
         raise ManifestError(f"{path}: cannot open ({exc.strerror})") from None
     except ValueError as exc:
-        raise ManifestError(str(exc)) from None
+        raise ManifestError(f"{path}: {exc}") from None
     return parse(data)
 
 
