@@ -18,10 +18,12 @@ from bwstack.fleet import probe_bundle
 from bwstack.lock.model import Lock, Profile, default_lock_path, load_lock
 from bwstack.probe import schema, waivers
 from bwstack.probe.generation import GenerationFacts
+from bwstack.serveplan import assemble
 from bwstack.serveplan.check import request_of
 
 CHUNK = 60_000  # base64 characters per command: well under Linux's 128 KiB limit for one argument
 _FACTS: dict[str, dict | HostUnavailable] = {}
+_JOBS: dict[str, dict | None] = {}  # the serve-plan job each host's probe was given (its fix searches name it)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -63,6 +65,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Facts are per run: `bwstack verify` may run the checks several times in one process."""
     _FACTS.clear()
+    _JOBS.clear()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -200,6 +203,7 @@ def facts(host, request: pytest.FixtureRequest, lock: Lock) -> dict:
         capability = capability or planned.expect.target_capability
         models = [request_of(m, i) for i, m in enumerate(planned.expect.models)]
         job = serve_plan_job(planned, models) if models else None
+        _JOBS[key] = job
         try:
             _FACTS[key] = collect(host, request.config, capability, job)
         except HostUnavailable as exc:
@@ -235,8 +239,13 @@ def plan_again(host, request: pytest.FixtureRequest, facts: dict):
     """Plans changed requests on the same node and device as the probe's serve plan (for the fix search)."""
     observed = facts.get("serve_plan") or {}
 
+    asked_after = _JOBS.get(host.backend.get_pytest_id())
+
     def run(requests: list[dict]) -> dict:
-        job = {"device": observed["device"], "requests": requests}
+        planned = assemble.already_planned(observed, requests)  # the probe planned them beside the model
+        if planned is not None:
+            return planned
+        job = {"device": observed["device"], "requests": requests, "hint_for": asked_after}
         reuse = (facts.get("facts_source") or {}).get("reuse")
         if reuse is not None:  # the probe found the generation unchanged moments ago: its check holds
             job["reuse"] = reuse

@@ -523,7 +523,8 @@ def collect(
         facts["serve_plan"] = sealed.load_derived(env, plan_key)
         if facts["serve_plan"] is None:
             device = node.resolve_device(serve_plan["device"], env)
-            planning = pool.submit(node.observe, env, device, serve_plan["requests"], cuda=facts["cuda"])
+            requests = [*serve_plan["requests"], *node.hinted_requests(env, serve_plan)]
+            planning = pool.submit(node.observe, env, device, requests, cuda=facts["cuda"])
         else:
             facts["facts_source"]["serve_plan"] = "recorded"
     if static:

@@ -256,7 +256,7 @@ def load_static(env: Path, capability: str) -> tuple[dict | None, str]:
 DERIVED_KEEP = 32  # results kept per generation (one per import set, serve-plan job, device)
 
 
-def _derived_cache(env: Path) -> Path | None:
+def derived_cache(env: Path) -> Path | None:
     gen = generation_of(env)
     if gen is None:
         return None
@@ -309,7 +309,7 @@ def _read_derived(path: Path) -> dict:
 
 
 def load_derived(env: Path, key: str | None) -> object | None:
-    path = _derived_cache(env)
+    path = derived_cache(env)
     if key is None or path is None:
         return None
     entry = _read_derived(path).get(key)
@@ -318,7 +318,7 @@ def load_derived(env: Path, key: str | None) -> object | None:
 
 def save_derived(env: Path, key: str | None, value: object) -> None:
     """Best effort: only the store's owner writes there; any other reader just computes it again."""
-    path = _derived_cache(env)
+    path = derived_cache(env)
     if key is None or path is None:
         return
     try:

@@ -697,6 +697,28 @@ def _apply(request: Mapping, cands: list[_Candidate]) -> dict:
     return new
 
 
+def already_planned(observation: Mapping, requests: list[dict]) -> dict | None:
+    """The observation of exactly these requests when the node planned each of them already in `observation`
+    (a verify probe plans what the last fix search of the same job asked for beside the job itself): the same
+    device, kernel facts and interpreter run. None when one of them was not planned there."""
+    inenv = observation.get("inenv") or {}
+    asked = [{k: v for k, v in r.items() if k != "id"} for r in observation.get("requests") or []]
+    found = inenv.get("observations") or []
+    if observation.get("error") or inenv.get("error") or len(found) != len(asked):
+        return None
+    picks = []
+    for request in requests:
+        wanted = {k: v for k, v in request.items() if k != "id"}
+        if wanted not in asked:
+            return None
+        picks.append(asked.index(wanted))
+    return {
+        **observation,
+        "requests": [observation["requests"][i] for i in picks],
+        "inenv": {**inenv, "observations": [found[i] for i in picks]},
+    }
+
+
 def find_fix(plan: Plan, request: Mapping, catalogue: Catalogue, run: Runner) -> Fix | None:
     """Flags and env that take the failing paths onto paths that run, found by planning again with them (SGLang's
     own code decides what each change leads to). None when nothing fails."""

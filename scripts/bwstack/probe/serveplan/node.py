@@ -400,6 +400,53 @@ def kernel_facts(env: Path, capability: str, sgl_kernel_ops: str | None = None, 
     return facts
 
 
+# ------------------------------------------------------------------------------------------------ fix-search hints
+
+HINTS_KEPT = 16  # requests remembered per job
+
+
+def _env_key(request: dict) -> str:
+    return json.dumps(sorted((request.get("env") or {}).items()))
+
+
+def _without_id(request: dict) -> dict:
+    return {k: v for k, v in request.items() if k != "id"}
+
+
+def hinted_requests(env: Path, job: dict) -> list[Request]:
+    """What a fix search asked this node to plan after the same job before, on this generation (remember_asked):
+    planned beside the job's own requests, in the same interpreter, they answer that fix search without
+    starting SGLang again when it asks the same (the controller matches requests exactly; anything else is
+    planned as before). Requests that would need an interpreter of their own (another environment) are left
+    out: they would cost what they save."""
+    hints = sealed.load_derived(env, sealed.derived_key(env, "fix-search-asked", job))
+    if not isinstance(hints, list):
+        return []
+    base = [r for r in job.get("requests") or [] if isinstance(r, dict)]
+    envs = {_env_key(r) for r in base}
+    seen = [_without_id(r) for r in base]
+    out: list[Request] = []
+    for index, hint in enumerate(hints):
+        well_formed = isinstance(hint, dict) and isinstance(hint.get("model"), str)
+        if not (well_formed and isinstance(hint.get("env") or {}, dict)):
+            continue
+        if _env_key(hint) in envs and _without_id(hint) not in seen:
+            seen.append(_without_id(hint))
+            out.append({**_without_id(hint), "id": f"hint-{index}"})  # type: ignore[typeddict-item]
+    return out
+
+
+def remember_asked(env: Path, job: dict, requests: list[dict]) -> None:
+    """Remember the requests a fix search asked for after `job` (best effort, the store's owner only)."""
+    key = sealed.derived_key(env, "fix-search-asked", job)
+    known = sealed.load_derived(env, key)
+    known = [r for r in known if isinstance(r, dict)] if isinstance(known, list) else []
+    for request in requests:
+        if isinstance(request, dict) and _without_id(request) not in known:
+            known.append(_without_id(request))
+    sealed.save_derived(env, key, known[-HINTS_KEPT:])
+
+
 # ------------------------------------------------------------------------------------------------ entry
 
 
@@ -455,6 +502,7 @@ def main(argv: list[str]) -> int:
     # The verify run's first probe hands its basis (and its GPU and CUDA facts) on, so a fix search's runs
     # skip the walk; run alone, the generation is checked here.
     reuse = job.pop("reuse", None) or {}
+    asked_after = job.pop("hint_for", None)  # the verify job whose fix search this is
     key, cuda = None, reuse.get("cuda")
     if sealed.basis_still_holds(env, reuse.get("basis")) and cuda is not None:
         key = sealed.derived_key(None, "serve-plan-job", job, reuse.get("gpu"), cuda, base=reuse["basis"])
@@ -465,6 +513,8 @@ def main(argv: list[str]) -> int:
     if result is None:
         result = observe(env, resolve_device(job["device"], env), job["requests"], cuda=cuda).as_dict()
         sealed.save_derived(env, key, result)
+    if isinstance(asked_after, dict):
+        remember_asked(env, asked_after, job["requests"])
     sys.stdout.write(json.dumps(result, default=str) + "\n")
     return 0
 

@@ -1,0 +1,100 @@
+"""A verify's fix search asks the node to plan the model again with candidate flags, and each ask starts SGLang
+in a new interpreter. The node remembers what the fix search of a job asked on a generation; the next probe of
+the same job on it plans those requests beside the model's own, in the same interpreter, and the fix search takes
+them from there when it asks the same again (exactly the same requests; anything else is planned as before).
+The store is a TEST FIXTURE stack's; the observations are the RECORDED serve-plan fixtures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import needs_py312
+
+from bwstack.probe import sealed
+from bwstack.probe.serveplan import node
+from bwstack.serveplan import assemble, catalogue
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "serveplan"
+DEVICE = {"mode": "auto", "capability": "12.0", "count": 8, "memory_mib": 98304, "name": "RTX", "interconnect": "pcie"}
+JOB = {"device": DEVICE, "requests": [{"id": "model-0", "model": "llama-3.1-8b-instruct", "tp": 8}]}
+TRITON = {"model": "llama-3.1-8b-instruct", "tp": 8, "server_args": {"attention_backend": "triton"}, "env": {}}
+NO_DEEPGEMM = {**TRITON, "server_args": {}, "env": {"SGLANG_ENABLE_JIT_DEEPGEMM": "0"}}
+
+
+@pytest.fixture
+def built(stack):
+    stack.build("fixture-new", check=True)
+    return stack
+
+
+def recorded(name: str) -> dict:
+    return json.loads((FIXTURES / f"{name}.json").read_text())
+
+
+@needs_py312
+def test_what_a_fix_search_asked_is_planned_beside_the_same_job_next_time(built):
+    node.remember_asked(built.ml_env, JOB, [{**TRITON, "id": "fix-0"}])
+    hints = node.hinted_requests(built.ml_env, JOB)
+    assert [{k: v for k, v in h.items() if k != "id"} for h in hints] == [TRITON]
+    assert all(h["id"].startswith("hint-") for h in hints)
+
+
+@needs_py312
+def test_another_job_gets_no_hints(built):
+    node.remember_asked(built.ml_env, JOB, [TRITON])
+    other = {**JOB, "requests": [{"id": "model-0", "model": "gpt-oss-20b", "tp": 8}]}
+    assert node.hinted_requests(built.ml_env, other) == []
+
+
+@needs_py312
+def test_a_hint_that_would_need_an_interpreter_of_its_own_is_left_out(built):
+    node.remember_asked(built.ml_env, JOB, [TRITON, NO_DEEPGEMM])
+    assert [h["env"] for h in node.hinted_requests(built.ml_env, JOB)] == [{}]
+
+
+@needs_py312
+def test_a_request_the_job_plans_anyway_is_not_planned_twice(built):
+    node.remember_asked(built.ml_env, JOB, [{"model": "llama-3.1-8b-instruct", "tp": 8}])
+    assert node.hinted_requests(built.ml_env, JOB) == []
+
+
+@needs_py312
+@pytest.mark.parametrize(
+    "remembered",
+    [{"not": "a list"}, ["a string", 3, None], [{"model": 5}], [{"model": "m", "env": "not a mapping"}]],
+    ids=["not-a-list", "not-requests", "model-not-a-name", "env-not-a-mapping"],
+)
+def test_damaged_hints_are_ignored(built, remembered):
+    sealed.save_derived(built.ml_env, sealed.derived_key(built.ml_env, "fix-search-asked", JOB), remembered)
+    assert node.hinted_requests(built.ml_env, JOB) == []
+
+
+def test_an_ask_is_answered_from_the_probe_when_it_planned_exactly_those_requests():
+    run = recorded("gpt-oss-20b-tp8-sm120")["runs"][0]
+    asked = [run["requests"][2], run["requests"][0]]
+    answered = assemble.already_planned(run, asked)
+    assert answered is not None
+    for index, original in ((0, 2), (1, 0)):
+        got = assemble.plan_for(answered, index, catalogue.load())
+        assert got == assemble.plan_for(run, original, catalogue.load())
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda r: {**r, "server_args": {**r["server_args"], "sampling_backend": "flashinfer"}},
+        lambda r: {**r, "env": {"SGLANG_ENABLE_JIT_DEEPGEMM": "0"}},
+        lambda r: {**r, "tp": 4},
+    ],
+    ids=["other-flags", "other-environment", "other-tp"],
+)
+def test_an_ask_the_probe_did_not_plan_exactly_is_planned_on_the_node(change):
+    run = recorded("gpt-oss-20b-tp8-sm120")["runs"][0]
+    assert assemble.already_planned(run, [change(run["requests"][0])]) is None
+
+
+def test_an_observation_that_failed_answers_nothing():
+    run = recorded("gpt-oss-20b-tp8-sm120")["runs"][0]
+    assert assemble.already_planned({**run, "error": "the env's interpreter exited 1"}, run["requests"][:1]) is None
