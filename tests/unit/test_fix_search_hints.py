@@ -56,7 +56,46 @@ def test_a_hint_that_would_need_an_interpreter_of_its_own_is_left_out(built):
 
 @needs_py312
 def test_a_request_the_job_plans_anyway_is_not_planned_twice(built):
-    node.remember_asked(built.ml_env, JOB, [{"model": "llama-3.1-8b-instruct", "tp": 8}])
+    same = {"model": "llama-3.1-8b-instruct", "tp": 8, "server_args": {}, "env": {}}  # as a fix search asks
+    node.remember_asked(built.ml_env, JOB, [same])
+    assert node.hinted_requests(built.ml_env, JOB) == []
+
+
+@needs_py312
+@pytest.mark.parametrize(
+    "hint",
+    [
+        {**TRITON, "model": "deepseek-v3"},
+        {**TRITON, "tp": 1},
+        {**TRITON, "draft": "sglang-eagle3-llama-3.1-8b-instruct"},
+        {**TRITON, "server_args": {"attention_backend": ["triton"]}},
+        {**TRITON, "server_args": {"not an identifier": 1}},
+    ],
+    ids=["another-model", "another-tp", "a-draft-added", "argument-not-a-value", "argument-not-a-name"],
+)
+def test_a_hint_is_only_the_jobs_own_request_with_other_server_arguments(built, hint):
+    node.remember_asked(built.ml_env, JOB, [hint])
+    assert node.hinted_requests(built.ml_env, JOB) == []
+
+
+@needs_py312
+def test_when_planning_with_hints_fails_they_are_forgotten_and_the_job_is_planned_without_them(built, monkeypatch):
+    node.remember_asked(built.ml_env, JOB, [TRITON])
+    planned: list[int] = []
+
+    def observe(env, device, requests, cuda=None):
+        planned.append(len(requests))
+        result = node.Observation(device=device, requests=list(requests))
+        if len(requests) > 1:  # the interpreter that had the hint in it crashed, taking every request along
+            result.error = "the env's interpreter exited -11 without a result"
+        else:
+            result.inenv = {"observations": [{"id": "model-0", "steps": {}}]}
+        return result
+
+    monkeypatch.setattr(node, "observe", observe)
+    device = node.Device("simulated", "12.0", 8, 98304, "RTX", "pcie")
+    observed = node.observe_job(built.ml_env, device, JOB)
+    assert planned == [2, 1] and observed.error is None
     assert node.hinted_requests(built.ml_env, JOB) == []
 
 

@@ -213,6 +213,26 @@ def test_archive_restores_on_a_clean_root_and_imports(stack, tmp_path):
     assert out.stdout.strip() == "12.8"
 
 
+def test_a_restored_generation_does_not_take_the_archives_recorded_facts_on_trust(stack, tmp_path):
+    """The archive's facts.json is what its maker says the env holds; the restored generation's verify reads
+    its files."""
+    from bwstack.probe import sealed
+
+    stack.build("fixture-old", check=True)
+    archive = tmp_path / "gen.tar.zst"
+    stack.run("backup", "--archive", str(archive), check=True)
+    clean = {
+        "BWSTACK_ROOT": str(tmp_path / "new-root"),
+        "BWSTACK_ML_ENV": str(tmp_path / "new-ml-env"),
+        "BWSTACK_CUDA_LINK": "none",
+    }
+    stack.run("restore", str(archive), check=True, extra_env=clean)
+    gen = sealed.generation_of(tmp_path / "new-ml-env")
+    assert gen is not None and not (gen / sealed.FACTS_NAME).exists()
+    static, why = sealed.load_static(tmp_path / "new-ml-env", "12.0")
+    assert static is None and "no facts.json" in why, why
+
+
 def test_a_corrupted_archive_is_refused_and_nothing_is_switched(stack, tmp_path):
     stack.build("fixture-old", check=True)
     archive = tmp_path / "gen.tar.zst"

@@ -162,6 +162,82 @@ def test_the_reason_a_changed_generation_is_read_again_names_the_path_and_what_c
     assert "site-packages/torch/version.py: content changed" in why, why
 
 
+def _retarget_link(gen: Path) -> None:
+    link = next((gen / "env" / "bin").glob("python3*"))
+    target = os.readlink(link)
+    os.unlink(link)
+    os.symlink(target + "-elsewhere", link)
+
+
+def _remove(gen: Path) -> None:
+    _torch_version_py(gen).unlink()
+
+
+def _fifo(gen: Path) -> None:
+    os.mkfifo(_torch_version_py(gen).with_name("dropped"))
+
+
+def _chown(gen: Path) -> None:
+    os.lchown(_torch_version_py(gen), 4242, 4242)
+
+
+@needs_py312
+@pytest.mark.parametrize(
+    ("tamper", "what"),
+    [
+        (_retarget_link, "symlink now points to"),
+        (_remove, "missing"),
+        (_fifo, "not in the manifest"),
+        (_chown, "owner 4242:4242"),
+        (_replace, "content changed"),
+    ],
+    ids=["link-retargeted", "file-removed", "fifo-added", "owner-changed", "bytes-changed"],
+)
+def test_after_the_quick_digest_moved_every_kind_of_change_is_still_found(built, tamper, what):
+    gen = _generation(built)
+    _touch(gen)
+    assert sealed.unchanged_generation(built.ml_env) is None  # the content check accepted the moved mtime
+    tamper(gen)
+    why = sealed.unchanged_generation(built.ml_env)
+    assert why is not None and what in why, why
+
+
+@needs_py312
+def test_a_tree_whose_stamp_cannot_be_taken_is_compared_by_content_every_time(built, monkeypatch):
+    """`find` failing (a path vanishing mid-walk, a filesystem it cannot read) gives no digest: nothing may be
+    remembered under it, or a later change would be accepted unseen."""
+    gen = _generation(built)
+    monkeypatch.setattr(sealed, "tree_stamp", lambda env, method=None: ("find", sealed.UNREADABLE))
+    assert sealed.unchanged_generation(built.ml_env) is None  # the bytes are the sealed ones
+    _add_file(gen)
+    why = sealed.unchanged_generation(built.ml_env)
+    assert why is not None and "dropped.pth" in why, why
+
+
+@needs_py312
+@pytest.mark.parametrize(
+    "row",
+    [
+        ["env/x", "f", 1, None, "", 0, 0, 0, 0],
+        ["env/x", ["f"], 1, 420, "", 0, 0, 0, 0],
+        ["env/x", "?", 1, 420, "", 0, 0, 0, 0],
+        ["env/x", "f", -1, 420, "", 0, 0, 0, 0],
+        "not a row",
+    ],
+    ids=["mode-null", "kind-a-list", "kind-special", "size-negative", "not-a-list"],
+)
+def test_a_malformed_manifest_row_makes_the_generation_changed_not_a_traceback(built, row):
+    gen = _generation(built)
+    _touch(gen)
+    path = gen / manifest.MANIFEST_NAME
+    doc = json.loads(path.read_text())
+    doc["files"].append(row)
+    os.chmod(path, 0o644)
+    path.write_text(json.dumps(doc))
+    why = sealed.unchanged_generation(built.ml_env)
+    assert why is not None and "manifest" in why, why
+
+
 @needs_py312
 def test_recorded_facts_are_not_used_for_another_capability_or_when_the_host_changed(built, monkeypatch):
     static, why = sealed.load_static(built.ml_env, "9.0")

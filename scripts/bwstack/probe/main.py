@@ -523,8 +523,7 @@ def collect(
         facts["serve_plan"] = sealed.load_derived(env, plan_key)
         if facts["serve_plan"] is None:
             device = node.resolve_device(serve_plan["device"], env)
-            requests = [*serve_plan["requests"], *node.hinted_requests(env, serve_plan)]
-            planning = pool.submit(node.observe, env, device, requests, cuda=facts["cuda"])
+            planning = pool.submit(node.observe_job, env, device, serve_plan, cuda=facts["cuda"])
         else:
             facts["facts_source"]["serve_plan"] = "recorded"
     if static:

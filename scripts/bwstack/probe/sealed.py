@@ -6,18 +6,20 @@ fatbins, SM120 features) are read from those files, so `bwstack build` computes 
 the generation directory, before the manifest is written (the manifest covers it). `bwstack verify` reuses
 them after a quick check: every path still matches its manifest row (kind, mode, owner, size, inode, mtime;
 nothing added, nothing missing). When that stamp moved, the bytes decide: each path is compared with its
-manifest row and the files whose inode or mtime moved are hashed (probe.treecheck); the same bytes are the
-sealed generation (a `touch`, a file rewritten with what it held), and that answer is remembered for the new
-stamp. Any real difference, or a host whose loader view changed (the ld.so cache, the system library
-directories, the interpreter), makes the probe read the files again ("cold").
+manifest row and the files whose inode or mtime moved are hashed (probe.treecheck); the same bytes (and mode,
+owner, links) are the sealed generation (a `touch`, a repair's new inodes), and that answer is remembered for
+the new stamp, unless the stamp could not be taken at all. Any real difference, or a host whose loader view
+changed (the ld.so cache, the system library directories, the interpreter), makes the probe read the files
+again ("cold").
 
 The import checks also depend on the host (its libraries, the driver): their results are kept in the store's
 cache, keyed by the generation, its manifest and the same host fingerprint plus the GPU and driver, and reused
 only while all of those match.
 
-A restored or repaired generation carries its facts.json, but its files have new inodes and mtimes: its first
-verify compares the tree with its manifest (hashing what moved since the manifest's fingerprints), later ones
-are quick again. Before, such a generation was read cold by every verify.
+A repaired generation keeps its facts.json, but its files have new inodes and mtimes: its first verify
+compares the tree with its manifest (hashing what moved since the manifest's fingerprints), later ones are quick
+again. A restored generation does not keep the archive's facts.json (what the archive's maker says the env
+holds): its verify reads its files.
 
 Standard library only: this module runs on target hosts inside the verify probe.
 """
@@ -43,6 +45,7 @@ RECORD_NAME = "record.json"
 # The facts read from the generation's own files (capability-dependent ones are keyed by capability).
 STATIC_KEYS = ("installed", "torch_version_py", "elf", "fatbin", "features")
 MAX_FACTS_BYTES = 64 << 20
+UNREADABLE = "unreadable"  # the digest of a tree stamp that could not be taken
 
 
 def generation_of(env: Path) -> Path | None:
@@ -93,7 +96,7 @@ def tree_stamp(env: Path, method: str | None = None) -> tuple[str, str]:
         if proc.returncode == 0:
             return "find", digest.hexdigest()
         if method == "find":
-            return "find", "unreadable"
+            return "find", UNREADABLE
     digest = hashlib.sha256()
     for rel, st in _walk(str(env)):
         kind = "l" if stat.S_ISLNK(st.st_mode) else "d" if stat.S_ISDIR(st.st_mode) else "f"
@@ -118,9 +121,8 @@ def _manifest_row(gen: Path, path: str) -> list | None:
     """One row of the generation's manifest, found in its bytes (rows are written as compact JSON lists)
     without parsing the whole document."""
     try:
-        with open(gen / MANIFEST_NAME, "rb") as handle:
-            data = handle.read()
-    except OSError:
+        data = treecheck.read_bounded(gen / MANIFEST_NAME)
+    except (OSError, ValueError):
         return None
     start = data.find(b"[" + json.dumps(path).encode() + b",")
     if start < 0:
@@ -163,7 +165,7 @@ def _manifest_rows_under_env(gen: Path) -> list[list] | None:
         return None
     rows = []
     for row in doc["files"]:
-        if not (isinstance(row, list) and len(row) == 9 and isinstance(row[0], str)):
+        if not (treecheck.valid_row(row) and len(row) == 9):
             return None
         if row[0] == "env" or row[0].startswith("env/"):
             rows.append([row[0][4:] or ".", *row[1:]])
@@ -176,20 +178,25 @@ def _tree_changed(gen: Path, tree: dict) -> str | None:
     The quick answer is the tree stamp recorded with the facts (every path's kind, inode, size, mtime, mode and
     owner). When it differs, the bytes decide: every path is compared with its manifest row, re-hashing only the
     files whose inode or mtime moved (probe.treecheck, the store's own comparison). Equal content is the sealed
-    generation (a file rewritten with the same bytes, a `touch`): the facts hold, and the new stamp is remembered
-    in the store's cache so the next run is quick again."""
+    generation (a `touch`, a repair's new inodes): the facts hold, and the new stamp is remembered in the store's
+    cache so the next run is quick again."""
     method, digest = tree.get("method"), tree.get("digest")
     now = tree_stamp(gen / "env", method)
-    if now == (method, digest):
+    readable = now[1] != UNREADABLE and digest != UNREADABLE
+    if readable and now == (method, digest):
         return None
-    key = derived_key(gen / "env", "tree-content-checked", digest, now)
+    # A stamp that could not be taken describes no tree: nothing is remembered for it, the bytes decide each time.
+    key = derived_key(gen / "env", "tree-content-checked", digest, now) if readable else None
     known = load_derived(gen / "env", key)  # this very tree was compared before: True, or why it differs
     if known is True or (isinstance(known, str) and known):
         return None if known is True else known
     rows = _manifest_rows_under_env(gen)
     if rows is None:
-        return f"generation {gen.name} changed since it was sealed (its manifest is unreadable)"
-    found = treecheck.differences(gen / "env", rows, first_only=True)
+        return f"generation {gen.name} changed since it was sealed (its manifest is unreadable or malformed)"
+    try:
+        found = treecheck.differences(gen / "env", rows, first_only=True)
+    except (OSError, ValueError) as exc:  # a path that vanished or changed kind while it was compared
+        return f"generation {gen.name} changed while it was compared with its manifest ({exc})"
     answer = f"generation {gen.name} changed since it was sealed (env/{found[0][0]}: {found[0][1]})" if found else True
     save_derived(gen / "env", key, answer)
     return None if answer is True else answer
@@ -233,9 +240,7 @@ def load_static(env: Path, capability: str) -> tuple[dict | None, str]:
     if not _matches_row(path, _manifest_row(gen, FACTS_NAME)):
         return None, f"generation {gen.name}: {FACTS_NAME} does not match its manifest"
     try:
-        if path.stat().st_size > MAX_FACTS_BYTES:
-            return None, f"{FACTS_NAME} too large"
-        doc = json.loads(path.read_text())
+        doc = json.loads(treecheck.read_bounded(path, MAX_FACTS_BYTES, FACTS_NAME))
         if doc.get("format") != FACTS_FORMAT:
             return None, f"{FACTS_NAME} has another format"
         if doc.get("capability") != capability:
@@ -302,10 +307,12 @@ def _read_derived(path: Path) -> dict:
         owner = os.stat(path.parent.parent.parent)  # the store root: only its owner may write the cache
         if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o022 or st.st_uid != owner.st_uid:
             return {}
-        doc = json.loads(path.read_text())
+        doc = json.loads(treecheck.read_bounded(path, MAX_FACTS_BYTES, "the verify cache"))
     except (OSError, ValueError):
         return {}
-    return doc if isinstance(doc, dict) else {}
+    if not isinstance(doc, dict):
+        return {}
+    return {k: v for k, v in doc.items() if isinstance(v, dict) and isinstance(v.get("t", 0), (int, float))}
 
 
 def load_derived(env: Path, key: str | None) -> object | None:
@@ -346,7 +353,7 @@ def unchanged_generation(env: Path) -> str | None:
     if not _matches_row(path, _manifest_row(gen, FACTS_NAME)):
         return f"generation {gen.name}: no {FACTS_NAME} matching its manifest"
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(treecheck.read_bounded(path, MAX_FACTS_BYTES, FACTS_NAME))
         tree = doc.get("tree") or {}
     except (OSError, ValueError, AttributeError):
         return f"{FACTS_NAME} unreadable"

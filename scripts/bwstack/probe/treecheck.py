@@ -13,6 +13,7 @@ re-hashes every file. Links are never followed.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import stat
@@ -22,18 +23,40 @@ from pathlib import Path
 
 CHUNK = 4 << 20
 MAX_MANIFEST_BYTES = 512 << 20
+KINDS = ("f", "l", "d")
 NAMES = {"f": "a file", "l": "a symlink", "d": "a directory", "?": "a special file"}
 
 
 def sha256_file(path: str | os.PathLike, *, follow_links: bool = False) -> str:
     """The file's sha256 (hex). A link at `path` itself is refused (ELOOP) unless the caller allows it: a hash
-    taken through a link someone else placed would vouch for their file."""
-    flags = os.O_RDONLY | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW)
+    taken through a link someone else placed would vouch for their file. Anything but a regular file (a FIFO
+    swapped in, a device) is refused without blocking on it."""
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow_links else os.O_NOFOLLOW)
     digest = hashlib.sha256()
     with open(os.open(path, flags), "rb", buffering=0) as handle:
+        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
         while chunk := handle.read(CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def valid_row(row: object) -> bool:
+    """A manifest row of the shape the store writes: 7 fields (legacy) or 9, a path without NUL, a known kind,
+    whole non-negative numbers, a string hash, owners as numbers (or None in a legacy row)."""
+    if not isinstance(row, list) or len(row) not in (7, 9):
+        return False
+    path, kind, size, mode, sha, ino, mtime = row[:7]
+    uid, gid = row[7:9] if len(row) == 9 else (None, None)
+    return (
+        isinstance(path, str)
+        and bool(path)
+        and "\0" not in path
+        and kind in KINDS
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (size, mode, ino, mtime))
+        and isinstance(sha, str)
+        and all(n is None or (isinstance(n, int) and not isinstance(n, bool) and n >= 0) for n in (uid, gid))
+    )
 
 
 def read_bounded(path: Path, limit: int = MAX_MANIFEST_BYTES, what: str = "a manifest") -> bytes:
@@ -144,8 +167,13 @@ def differences(
     found += [(rel, "missing") for rel in sorted(set(expected) - seen)]
     if found and first_only:
         return found[:1]
-    with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 2) as pool:
+    pool = ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 2)
+    try:
         for row, sha in zip(suspects, pool.map(lambda r: _safe_hash(Path(root) / r[0]), suspects), strict=True):
             if sha != row[4]:
                 found.append((row[0], f"content changed (sha256 {sha}, manifest {row[4]})"))
+                if first_only:
+                    break
+    finally:
+        pool.shutdown(cancel_futures=True)  # after a first difference, the files not hashed yet stay so
     return sorted(found)

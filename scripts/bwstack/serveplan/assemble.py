@@ -754,7 +754,10 @@ def find_fix(plan: Plan, request: Mapping, catalogue: Catalogue, run: Runner) ->
     if not chosen:
         return Fix((), {}, {}, (), False, tuple(sorted(failing)), rejected=tuple(rejected))
     wanted = _apply(request, chosen)
-    planned = next((i for i, r in enumerate(batch) if r == wanted), None)  # the same request: the same plan
+    # The same request planned in the batch is the same plan: observe() builds every request's ServerArgs afresh in
+    # the interpreter (the candidates were always judged that way; re-recording the fixtures gave final plans equal
+    # in paths, verdicts, decision sites and arguments to the separately made ones of the recording before).
+    planned = next((i for i, r in enumerate(batch) if r == wanted), None)
     final = plan_for(tried, planned, catalogue) if planned is not None else plan_for(run([wanted]), 0, catalogue)
     flags = tuple(f for c in chosen for f in c.flags)
     env = {k: v for c in chosen for k, v in c.env.items()}

@@ -52,7 +52,7 @@ from bwstack.store.generations import (
     run_env_check,
 )
 from bwstack.store.record import GenerationRecord, RecordError
-from bwstack.store.tree import remove_tree
+from bwstack.store.tree import make_writable_parent, remove_tree
 
 TOP = "generation"
 MAX_MEMBERS = 2_000_000
@@ -464,6 +464,14 @@ def _commit_restored(
     restored_record = GenerationRecord.from_json(kept).replace(verification=_verify_restored(building, name, record))
     final_building = building.with_name(f"{BUILDING_PREFIX}{name}")
     os.rename(building, final_building)
+    # The archive's facts.json is what its maker says the env holds: a restored generation does not take it on
+    # trust, so its verify reads its files (the facts are computed where a generation is built, not restored).
+    restored_facts = final_building / FACTS
+    if restored_facts.is_file() or restored_facts.is_symlink():
+        mode = stat.S_IMODE(os.lstat(final_building).st_mode)
+        make_writable_parent(restored_facts)
+        restored_facts.unlink()
+        os.chmod(final_building, mode)
     entries = manifest.build(final_building, skip_top=(MANIFEST, RECORD))
     meta = {k: v for k, v in doc.meta.items() if k != "generation"}
     gen = store.commit(final_building, restored_record, meta, entries)

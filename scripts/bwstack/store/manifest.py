@@ -26,13 +26,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from bwstack.probe.treecheck import differences, read_bounded, sha256_file, walk
+from bwstack.probe.treecheck import differences, read_bounded, sha256_file, valid_row, walk
 
 FORMAT = 2
 MANIFEST_NAME = "manifest.json"
 
 CHUNK = 4 << 20
-KINDS = ("f", "l", "d")
 
 
 class ManifestError(ValueError):
@@ -58,19 +57,10 @@ class Entry:
     def from_row(cls, row: object) -> Entry:
         if not isinstance(row, list) or len(row) not in (7, 9):
             raise ManifestError(f"a file row is not a list of 7 or 9 fields: {str(row)[:80]}")
+        if not valid_row(row):
+            raise ManifestError(f"malformed file row for {str(row[0])[:80]!r}")
         path, kind, size, mode, sha, ino, mtime = row[:7]
         uid, gid = row[7:9] if len(row) == 9 else (None, None)
-        ok = (
-            isinstance(path, str)
-            and path
-            and "\0" not in path
-            and kind in KINDS
-            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (size, mode, ino, mtime))
-            and isinstance(sha, str)
-            and all(n is None or (isinstance(n, int) and n >= 0) for n in (uid, gid))
-        )
-        if not ok:
-            raise ManifestError(f"malformed file row for {str(path)[:80]!r}")
         return cls(path, kind, size, mode, sha, ino, mtime, uid, gid)
 
     @property

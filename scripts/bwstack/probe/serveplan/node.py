@@ -413,27 +413,64 @@ def _without_id(request: dict) -> dict:
     return {k: v for k, v in request.items() if k != "id"}
 
 
+def _normal(request: dict) -> dict:
+    """A request as planned: no id, no server arguments and no environment are the empty ones."""
+    return {**_without_id(request), "server_args": request.get("server_args") or {}, "env": request.get("env") or {}}
+
+
+def _scalar_args(value: object) -> bool:
+    return isinstance(value, dict) and all(
+        isinstance(k, str) and k.isidentifier() and (v is None or isinstance(v, (str, int, float, bool)))
+        for k, v in value.items()
+    )
+
+
 def hinted_requests(env: Path, job: dict) -> list[Request]:
     """What a fix search asked this node to plan after the same job before, on this generation (remember_asked):
     planned beside the job's own requests, in the same interpreter, they answer that fix search without
     starting SGLang again when it asks the same (the controller matches requests exactly; anything else is
-    planned as before). Requests that would need an interpreter of their own (another environment) are left
-    out: they would cost what they save."""
+    planned as before). A hint is one of the job's own requests with other server arguments (what a fix search
+    changes): anything else, and a request that would need an interpreter of its own (another environment), is
+    left out."""
     hints = sealed.load_derived(env, sealed.derived_key(env, "fix-search-asked", job))
     if not isinstance(hints, list):
         return []
-    base = [r for r in job.get("requests") or [] if isinstance(r, dict)]
-    envs = {_env_key(r) for r in base}
-    seen = [_without_id(r) for r in base]
+    base = [_normal(r) for r in job.get("requests") or [] if isinstance(r, dict)]
+    shapes = [({k: v for k, v in r.items() if k not in ("server_args", "env")}, _env_key(r)) for r in base]
+    seen = list(base)
     out: list[Request] = []
     for index, hint in enumerate(hints):
-        well_formed = isinstance(hint, dict) and isinstance(hint.get("model"), str)
-        if not (well_formed and isinstance(hint.get("env") or {}, dict)):
+        if not (isinstance(hint, dict) and _scalar_args(hint.get("server_args") or {})):
             continue
-        if _env_key(hint) in envs and _without_id(hint) not in seen:
-            seen.append(_without_id(hint))
+        if not isinstance(hint.get("env") or {}, dict):
+            continue
+        plain = _normal(hint)
+        shape = ({k: v for k, v in plain.items() if k not in ("server_args", "env")}, _env_key(plain))
+        if shape in shapes and plain not in seen:
+            seen.append(plain)
             out.append({**_without_id(hint), "id": f"hint-{index}"})  # type: ignore[typeddict-item]
     return out
+
+
+def forget_asked(env: Path, job: dict) -> None:
+    sealed.save_derived(env, sealed.derived_key(env, "fix-search-asked", job), [])
+
+
+def observe_job(env: Path, device: Device, job: dict, *, cuda: dict | None = None) -> Observation:
+    """The job's own requests planned, with the hints beside them (hinted_requests). When planning with the
+    hints fails for the job's own requests (an interpreter that crashed or timed out takes every request of it
+    along), they are forgotten and the job is planned again without them: a hint never changes a verdict."""
+    requests = list(job["requests"])
+    hints = hinted_requests(env, job)
+    if hints:
+        observed = observe(env, device, [*requests, *hints], cuda=cuda)
+        found = (observed.inenv or {}).get("observations") or []
+        own = found[: len(requests)]
+        interpreter_failed = any(((o or {}).get("crashed") or {}).get("type") == "EnvError" for o in own)
+        if not observed.error and len(own) == len(requests) and not interpreter_failed:
+            return observed
+        forget_asked(env, job)
+    return observe(env, device, requests, cuda=cuda)
 
 
 def remember_asked(env: Path, job: dict, requests: list[dict]) -> None:
