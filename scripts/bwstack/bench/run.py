@@ -378,18 +378,24 @@ class Bench:
         # torch/version.py: every import check and SGLang's planner import it.
         changed = next(site.glob("torch/version.py"), None) or next(p for p in site.rglob("*.py") if p.is_file())
         original = changed.read_bytes()
+
+        def other_bytes(note: str) -> None:
+            """Other bytes in a file everything imports, as a new inode: never written through a link into the
+            cache."""
+            tmp = changed.with_name(f".{changed.name}.bench")
+            tmp.write_bytes(original + f"# bwstack bench: {note}\n".encode())
+            os.replace(tmp, changed)
+
         touched, cold, reasons = [], [], []
         for i in range(self.runs):
-            # The mtime moved, the bytes as sealed (a `touch`, a reinstall of the same file): the tree is
-            # compared with the manifest, the moved file hashed, and the recorded facts kept.
+            # The mtime moved, the bytes as sealed (a `touch`): the tree is compared with the manifest, the moved
+            # file hashed, and the recorded facts kept.
             os.utime(changed, ns=(time.time_ns(), time.time_ns() + i))
             touched.append(_timed(lambda: subprocess.run(cmd, capture_output=True, text=True)))
         for i in range(self.runs):
-            # Other bytes in a file everything imports (a new inode: never through a link into the cache): every
-            # fact is read from the files again, the imports and SGLang's plans (and the fix search's) run again.
-            tmp = changed.with_name(f".{changed.name}.bench")
-            tmp.write_bytes(original + f"# bwstack bench: cold run {i}\n".encode())
-            os.replace(tmp, changed)
+            # Every fact is read from the files again, the imports and SGLang's plans (and the fix search's) run
+            # again.
+            other_bytes(f"cold run {i}")
             started = time.perf_counter()
             done = subprocess.run(cmd, capture_output=True, text=True)
             cold.append(time.perf_counter() - started)
@@ -398,9 +404,7 @@ class Bench:
         for i in range(self.runs):
             # The same, with nothing remembered of earlier verifies (the store's verify cache of this generation
             # removed): the fix search's extra plans are not known in advance and start SGLang again.
-            tmp = changed.with_name(f".{changed.name}.bench")
-            tmp.write_bytes(original + f"# bwstack bench: cold run {i}, nothing remembered\n".encode())
-            os.replace(tmp, changed)
+            other_bytes(f"cold run {i}, nothing remembered")
             cache = sealed.derived_cache(gen.env)
             if cache is not None:
                 cache.unlink(missing_ok=True)

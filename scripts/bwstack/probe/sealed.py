@@ -98,23 +98,14 @@ def tree_stamp(env: Path, method: str | None = None) -> tuple[str, str]:
         if method == "find":
             return "find", UNREADABLE
     digest = hashlib.sha256()
-    for rel, st in _walk(str(env)):
+    for rel, st in treecheck.walk(env):
+        rel = "" if rel == "." else rel  # the root as these digests have always named it
         kind = "l" if stat.S_ISLNK(st.st_mode) else "d" if stat.S_ISDIR(st.st_mode) else "f"
         digest.update(
             f"{kind} {st.st_ino} {st.st_size} {st.st_mtime_ns} {stat.S_IMODE(st.st_mode):o} {st.st_uid} {st.st_gid} "
             f"{rel}\0".encode(errors="surrogateescape")
         )
     return "python", digest.hexdigest()
-
-
-def _walk(root: str):
-    yield "", os.lstat(root)
-    for dirpath, dirnames, filenames in os.walk(root):
-        rel_dir = os.path.relpath(dirpath, root)
-        for name in sorted(dirnames) + sorted(filenames):
-            rel = name if rel_dir == "." else f"{rel_dir}/{name}"
-            yield rel, os.lstat(os.path.join(dirpath, name))
-        dirnames.sort()
 
 
 def _manifest_row(gen: Path, path: str) -> list | None:

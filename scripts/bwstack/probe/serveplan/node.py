@@ -189,7 +189,7 @@ def run_inenv(env: Path, device: Device, requests: list[Request], timeout: int =
         device_json = {"mode": device.mode, **{k: v for k, v in asdict(device).items() if k != "mode"}}
         groups: dict[str, list[int]] = {}
         for index, request in enumerate(requests):
-            groups.setdefault(json.dumps(sorted((request.get("env") or {}).items())), []).append(index)
+            groups.setdefault(_env_key(request), []).append(index)
         meta: dict | None = None
         errors: list[str] = []
         observations: list[dict | None] = [None] * len(jobs)
