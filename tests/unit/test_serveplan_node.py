@@ -4,13 +4,18 @@ FlashInfer's architecture guards). The real files are read in the slow tier (tes
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
+import shutil
 import struct
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from bwstack.probe import main as probe
 from bwstack.probe.serveplan import node
 
 DEVICE = node.Device(node.SIMULATED, "12.0", 8, 98304, "NVIDIA RTX PRO 6000 Blackwell", "pcie")
@@ -93,3 +98,59 @@ def test_a_simulated_job_device_is_the_target_described(tmp_path: Path):
 def test_a_missing_env_is_an_observation_error_not_a_crash(tmp_path: Path):
     observed = node.observe(tmp_path / "no-env", DEVICE, [{"id": "m", "model": "gpt-oss-20b", "tp": 8}])
     assert observed.error == f"no env at {tmp_path / 'no-env'}: no bin/python"
+
+
+def _extension_needing_libcuda(sp: Path, libs: Path) -> None:
+    """A test-built torch extension (it needs libc10.so) that calls cuInit from libcuda.so.1, as sgl-kernel does."""
+    libs.mkdir()
+    (libs / "empty.c").write_text("int bwstack_fixture;\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", libs / "libc10.so", libs / "empty.c"], check=True)
+    cuda = ["gcc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", libs / "libcuda.so.1", libs / "empty.c"]
+    subprocess.run(cuda, check=True)
+    (sp / "fixture_ext").mkdir(parents=True)
+    (libs / "ext.c").write_text("int cuInit(unsigned);\nint f(void) { return cuInit(0); }\n")
+    ext = ["gcc", "-shared", "-fPIC", "-o", sp / "fixture_ext" / "_C.so", libs / "ext.c", f"-L{libs}",
+           "-Wl,--no-as-needed", "-lc10", "-l:libcuda.so.1"]  # fmt: skip
+    subprocess.run(ext, check=True)
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc to build the fixture extension")
+def test_one_stand_in_libcuda_is_built_for_every_caller_of_a_probe_run_and_removed_after(tmp_path: Path):
+    sp = tmp_path / "site-packages"
+    _extension_needing_libcuda(sp, tmp_path / "libs")
+    with probe.StandInLibcuda(sp) as stand_in, ThreadPoolExecutor(max_workers=4) as pool:
+        folders = set(pool.map(lambda _: stand_in.folder(), range(8)))
+        assert len(folders) == 1
+        folder = folders.pop()
+        assert folder is not None and (folder / "libcuda.so.1").is_file()
+        assert "cuInit" in (folder / "stub.c").read_text()
+    assert not folder.exists()
+
+
+def test_no_stand_in_libcuda_where_nothing_links_it(tmp_path: Path):
+    (tmp_path / "site-packages").mkdir()
+    with probe.StandInLibcuda(tmp_path / "site-packages") as stand_in:
+        assert stand_in.folder() is None
+        assert stand_in.folder() is None  # asked again: the same answer
+
+
+def _planner_script():
+    """probe/scripts/serveplan.py (inenv.py in the env's interpreter) loaded as a module: its helpers only."""
+    path = Path(node.__file__).parents[1] / "scripts" / "serveplan.py"
+    spec = importlib.util.spec_from_file_location("bwstack_inenv_fixture", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Decided:  # a class whose definition site the planner reports
+    field: int = 1
+
+
+def test_the_planner_reads_a_definitions_source_once_however_often_its_sites_are_asked(monkeypatch):
+    inenv = _planner_script()
+    read, real = [], inspect.getsourcelines
+    monkeypatch.setattr(inenv.inspect, "getsourcelines", lambda obj: read.append(obj) or real(obj))
+    sites = {inenv._definition_site(_Decided) for _ in range(5)}
+    assert sites == {f"{__file__}:{real(_Decided)[1]}"}
+    assert read == [_Decided]

@@ -17,6 +17,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -360,6 +361,37 @@ def _stub_libcuda(sp: Path, out_dir: Path) -> Path | None:
     return lib if rc == 0 else None
 
 
+class StandInLibcuda:
+    """The stand-in libcuda.so.1 of one probe run, built on first use (scanning every extension's undefined
+    symbols and compiling takes most of a second) and shared by the import checks and SGLang's planner, which
+    run beside each other. `folder()` is the directory holding it, or None where it cannot be built."""
+
+    def __init__(self, sp: Path) -> None:
+        self._sp = sp
+        self._lock = threading.Lock()
+        self._dir: Path | None = None
+        self._built = False
+        self._lib: Path | None = None
+
+    def folder(self) -> Path | None:
+        with self._lock:
+            if not self._built:
+                self._built = True
+                self._dir = Path(tempfile.mkdtemp(prefix="bwstack-stub-"))
+                self._lib = _stub_libcuda(self._sp, self._dir)
+            return self._dir if self._lib is not None else None
+
+    def __enter__(self) -> StandInLibcuda:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._dir is not None:
+                shutil.rmtree(self._dir, ignore_errors=True)
+                self._dir = None
 
 
 def _import_all(python: str, statements: dict[str, str], env: dict) -> dict[str, dict]:
@@ -376,7 +408,7 @@ def _import_all(python: str, statements: dict[str, str], env: dict) -> dict[str,
     return results
 
 
-def import_facts(env: Path, sp: Path, gpu_present: bool) -> dict:
+def import_facts(env: Path, sp: Path, gpu_present: bool, stand_in: StandInLibcuda | None = None) -> dict:
     python = str(env / "bin" / "python")
     base = interp.clean_env()
     results: dict = {m: {"installed": False} for m in IMPORTS if not (sp / m).is_dir()}
@@ -389,10 +421,11 @@ def import_facts(env: Path, sp: Path, gpu_present: bool) -> dict:
             results[module]["blocked_by_missing_driver"] = True
             blocked.append(module)
     if blocked:
-        stub_dir = Path(tempfile.mkdtemp(prefix="bwstack-stub-"))
-        try:
-            stub = _stub_libcuda(sp, stub_dir)
-            if stub is None:
+        with contextlib.ExitStack() as stack:
+            if stand_in is None:
+                stand_in = stack.enter_context(StandInLibcuda(sp))
+            stub_dir = stand_in.folder()
+            if stub_dir is None:
                 for module in blocked:
                     results[module]["with_stub_libcuda"] = {
                         "ok": None,
@@ -406,8 +439,6 @@ def import_facts(env: Path, sp: Path, gpu_present: bool) -> dict:
                         "ok": outcome["ok"],
                         "error": _last_error(outcome["error"]) if not outcome["ok"] else "",
                     }
-        finally:
-            shutil.rmtree(stub_dir, ignore_errors=True)
     return results
 
 
@@ -429,8 +460,6 @@ def _last_error(stderr: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ runtime
-
-
 
 
 def runtime_facts(env: Path) -> dict:
@@ -508,39 +537,48 @@ def collect(
     if reused is not None:
         facts["imports"] = reused
         facts["facts_source"]["imports"] = "recorded"
-    pool = ThreadPoolExecutor(max_workers=2)
-    pending = pool.submit(import_facts, env, sp, facts["gpu"]["present"]) if imports and reused is None else None
-    facts["cuda"] = cuda_facts(env, capability)
-    lap("cuda")
-    if static:  # what a fix search's serve-plan runs of this verify hand back to skip the unchanged check
-        facts["facts_source"]["reuse"] = {"basis": sealed.basis(env), "gpu": gpu_key, "cuda": facts["cuda"]}
-    # SGLang's planner is another process too: it starts before the ELF files are read, beside the imports.
-    planning, plan_key = None, None
-    if serve_plan and serve_plan.get("requests"):
-        from bwstack.probe.serveplan import node
+    # One stand-in libcuda.so.1 for the import checks and the planner (built by whichever needs it first).
+    stand_in = StandInLibcuda(sp)
+    try:
+        pool = ThreadPoolExecutor(max_workers=2)
+        pending = (
+            pool.submit(import_facts, env, sp, facts["gpu"]["present"], stand_in)
+            if imports and reused is None
+            else None
+        )
+        facts["cuda"] = cuda_facts(env, capability)
+        lap("cuda")
+        if static:  # what a fix search's serve-plan runs of this verify hand back to skip the unchanged check
+            facts["facts_source"]["reuse"] = {"basis": sealed.basis(env), "gpu": gpu_key, "cuda": facts["cuda"]}
+        # SGLang's planner is another process too: it starts before the ELF files are read, beside the imports.
+        planning, plan_key = None, None
+        if serve_plan and serve_plan.get("requests"):
+            from bwstack.probe.serveplan import node
 
-        plan_key = sealed.derived_key(env, "serve-plan", serve_plan, gpu_key, facts["cuda"]) if static else None
-        facts["serve_plan"] = sealed.load_derived(env, plan_key)
-        if facts["serve_plan"] is None:
-            device = node.resolve_device(serve_plan["device"], env)
-            planning = pool.submit(node.observe_job, env, device, serve_plan, cuda=facts["cuda"])
+            plan_key = sealed.derived_key(env, "serve-plan", serve_plan, gpu_key, facts["cuda"]) if static else None
+            facts["serve_plan"] = sealed.load_derived(env, plan_key)
+            if facts["serve_plan"] is None:
+                device = node.resolve_device(serve_plan["device"], env)
+                planning = pool.submit(node.observe_job, env, device, serve_plan, cuda=facts["cuda"], stand_in=stand_in)
+            else:
+                facts["facts_source"]["serve_plan"] = "recorded"
+        if static:
+            facts["elf"], facts["fatbin"], facts["features"] = static["elf"], static["fatbin"], static["features"]
+            lap("static facts (recorded)")
         else:
-            facts["facts_source"]["serve_plan"] = "recorded"
-    if static:
-        facts["elf"], facts["fatbin"], facts["features"] = static["elf"], static["fatbin"], static["features"]
-        lap("static facts (recorded)")
-    else:
-        facts.update(static_facts(env, sp, capability, facts["env"].get("torch_version_py") or {}))
-        lap("elf, fatbin, features")
-    if planning is not None:
-        facts["serve_plan"] = planning.result().as_dict()
-        sealed.save_derived(env, plan_key, facts["serve_plan"])
-        lap("serve-plan (rest)")
-    if pending is not None:
-        facts["imports"] = pending.result()
-        sealed.save_derived(env, import_key, facts["imports"])
-        lap("imports (rest)")
-    pool.shutdown()
+            facts.update(static_facts(env, sp, capability, facts["env"].get("torch_version_py") or {}))
+            lap("elf, fatbin, features")
+        if planning is not None:
+            facts["serve_plan"] = planning.result().as_dict()
+            sealed.save_derived(env, plan_key, facts["serve_plan"])
+            lap("serve-plan (rest)")
+        if pending is not None:
+            facts["imports"] = pending.result()
+            sealed.save_derived(env, import_key, facts["imports"])
+            lap("imports (rest)")
+        pool.shutdown()
+    finally:
+        stand_in.close()
     if runtime and facts["gpu"]["present"]:
         facts["runtime"] = runtime_facts(env)
         lap("runtime")

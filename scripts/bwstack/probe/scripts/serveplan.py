@@ -90,22 +90,38 @@ def _error(exc: BaseException) -> dict:
     return {"type": type(exc).__name__, "message": message[:1200], "site": site, "code": code}
 
 
-def _definition_site(obj) -> str | None:
+_SOURCES: dict[int, tuple[object, tuple[str | None, list[str], int] | None]] = {}
+
+
+def _source_of(obj) -> tuple[str | None, list[str], int] | None:
+    """(file, lines, first line) of a class or function's source, or None. Kept for the process (keyed by the
+    object's identity, the object held so the key stays its own): inspect tokenizes the whole definition each
+    time, and ServerArgs (thousands of lines) is asked about once per field and request."""
+    held = _SOURCES.get(id(obj))
+    if held is not None and held[0] is obj:
+        return held[1]
     try:
-        filename = inspect.getsourcefile(obj)
-        _, line = inspect.getsourcelines(obj)
+        lines, start = inspect.getsourcelines(obj)
+        source = (inspect.getsourcefile(obj), lines, start)
     except (OSError, TypeError):
+        source = None
+    _SOURCES[id(obj)] = (obj, source)
+    return source
+
+
+def _definition_site(obj) -> str | None:
+    source = _source_of(obj)
+    if source is None or not source[0]:
         return None
-    return _site(filename, line) if filename else None
+    return _site(source[0], source[2])
 
 
 def _assignment_site(cls, attr: str) -> str | None:
     """file:line of `self.<attr> =` in a class's __init__ (where a method object records a choice)."""
-    try:
-        lines, start = inspect.getsourcelines(cls.__init__)
-        filename = inspect.getsourcefile(cls.__init__)
-    except (OSError, TypeError):
+    source = _source_of(cls.__init__)
+    if source is None:
         return None
+    filename, lines, start = source
     pattern = re.compile(rf"^\s*self\.{re.escape(attr)}\s*=")
     for offset, line in enumerate(lines):
         if pattern.match(line):
@@ -327,12 +343,10 @@ class Observer:
         self._server_args_cls = ServerArgs
 
     def _default_site(self, name: str) -> str | None:
-        cls = self._server_args_cls
-        try:
-            filename = inspect.getsourcefile(cls)
-            lines, start = inspect.getsourcelines(cls)
-        except (OSError, TypeError):
+        source = _source_of(self._server_args_cls)
+        if source is None:
             return None
+        filename, lines, start = source
         pattern = re.compile(rf"^\s+{re.escape(name)}\s*:")
         for offset, line in enumerate(lines):
             if pattern.match(line):

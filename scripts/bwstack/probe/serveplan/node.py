@@ -11,6 +11,7 @@ sources, nvcc and Triton's bundled ptxas tried for real.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -153,14 +154,23 @@ def _run_child(python: str, script: Path, job: dict, env: dict[str, str], cwd: s
     return {"error": f"the env's interpreter exited {proc.returncode} without a result: {tail[-1500:]}"}
 
 
-def run_inenv(env: Path, device: Device, requests: list[Request], timeout: int = 1800) -> dict:
+def run_inenv(
+    env: Path,
+    device: Device,
+    requests: list[Request],
+    timeout: int = 1800,
+    stand_in: probe.StandInLibcuda | None = None,
+) -> dict:
     """Run inenv.py in the env's interpreter for these requests; its JSON, or {"error": ...}.
 
     Requests with different environments run in different interpreters: SGLang reads most of its environment
     variables when its modules are imported, so a variable set later would change nothing."""
     python = str(Path(env) / "bin" / "python")
     sp = envinspect.site_packages(Path(env))
-    with tempfile.TemporaryDirectory(prefix="bwstack-serveplan-") as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="bwstack-serveplan-"))
+        if stand_in is None:  # run alone (a fix search's `serve-plan`): its own
+            stand_in = stack.enter_context(probe.StandInLibcuda(sp))
         tmpdir = Path(tmp)
         jobs = []
         for request in requests:
@@ -178,10 +188,8 @@ def run_inenv(env: Path, device: Device, requests: list[Request], timeout: int =
             bin_dir.mkdir()
             _stand_in_smi(bin_dir, device, python)
             if not _driver_present():
-                stub_dir = tmpdir / "stub"
-                stub_dir.mkdir()
-                if probe._stub_libcuda(sp, stub_dir) is None:
-                    stub_dir = None
+                stub_dir = stand_in.folder()
+                if stub_dir is None:
                     notes.append("no stand-in libcuda.so.1 (no C compiler, or nothing here links libcuda)")
                 else:
                     notes.append("no NVIDIA driver on this host: sgl-kernel loaded against a stand-in libcuda.so.1")
@@ -456,21 +464,28 @@ def forget_asked(env: Path, job: dict) -> None:
     sealed.save_derived(env, sealed.derived_key(env, "fix-search-asked", job), [])
 
 
-def observe_job(env: Path, device: Device, job: dict, *, cuda: dict | None = None) -> Observation:
+def observe_job(
+    env: Path,
+    device: Device,
+    job: dict,
+    *,
+    cuda: dict | None = None,
+    stand_in: probe.StandInLibcuda | None = None,
+) -> Observation:
     """The job's own requests planned, with the hints beside them (hinted_requests). When planning with the
     hints fails for the job's own requests (an interpreter that crashed or timed out takes every request of it
     along), they are forgotten and the job is planned again without them: a hint never changes a verdict."""
     requests = list(job["requests"])
     hints = hinted_requests(env, job)
     if hints:
-        observed = observe(env, device, [*requests, *hints], cuda=cuda)
+        observed = observe(env, device, [*requests, *hints], cuda=cuda, stand_in=stand_in)
         found = (observed.inenv or {}).get("observations") or []
         own = found[: len(requests)]
         interpreter_failed = any(((o or {}).get("crashed") or {}).get("type") == "EnvError" for o in own)
         if not observed.error and len(own) == len(requests) and not interpreter_failed:
             return observed
         forget_asked(env, job)
-    return observe(env, device, requests, cuda=cuda)
+    return observe(env, device, requests, cuda=cuda, stand_in=stand_in)
 
 
 def remember_asked(env: Path, job: dict, requests: list[dict]) -> None:
@@ -487,14 +502,21 @@ def remember_asked(env: Path, job: dict, requests: list[dict]) -> None:
 # ------------------------------------------------------------------------------------------------ entry
 
 
-def observe(env: Path, device: Device, requests: list[Request], *, cuda: dict | None = None) -> Observation:
+def observe(
+    env: Path,
+    device: Device,
+    requests: list[Request],
+    *,
+    cuda: dict | None = None,
+    stand_in: probe.StandInLibcuda | None = None,
+) -> Observation:
     """SGLang's choices for each request (one interpreter for all of them) and the env's kernel facts."""
     env = Path(env)
     result = Observation(device=device, requests=list(requests))
     if not (env / "bin" / "python").exists():
         result.error = f"no env at {env}: no bin/python"
         return result
-    inenv = run_inenv(env, device, list(requests))
+    inenv = run_inenv(env, device, list(requests), stand_in=stand_in)
     result.inenv = inenv
     if inenv.get("error"):
         result.error = inenv["error"]
