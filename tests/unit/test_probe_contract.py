@@ -75,3 +75,13 @@ def test_an_in_env_script_runs_from_its_file_and_reports_the_interpreter():
 def test_an_interpreter_that_does_not_run_is_an_error_not_a_traceback(tmp_path):
     facts = interp.interpreter_facts(tmp_path / "bin" / "python")
     assert "not found" in facts["error"]
+
+
+def test_the_import_check_reports_each_modules_outcome_from_one_interpreter():
+    from bwstack.probe import main as probe
+
+    statements = {"json": "import json", "absent": "import bwstack_no_such_module", "raises": "raise SystemExit(3)"}
+    outcome = probe._import_all(sys.executable, statements, interp.clean_env())
+    assert outcome["json"] == {"ok": True, "error": ""}
+    assert not outcome["absent"]["ok"] and "ModuleNotFoundError" in outcome["absent"]["error"]
+    assert not outcome["raises"]["ok"] and "SystemExit" in outcome["raises"]["error"]
