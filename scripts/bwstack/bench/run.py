@@ -369,11 +369,15 @@ class Bench:
             # plans and the fix search are the node's, not those of an nvcc this machine has elsewhere.
             fetcher = Fetcher(self.cache / "wheels", Sources(), log=lambda m: None)
             cudatk.install_pip(self.profile, fetcher, log=lambda m: None)
+        gen = store.active()
+        assert gen is not None
+        if sealed.unchanged_generation(gen.env) is not None:
+            # Left changed by an interrupted run (or by hand): back to its manifest, or the "unchanged" row would
+            # time cold verifies.
+            store.repair(gen)
         cmd = self.verify_cmd(env)
         subprocess.run(cmd, capture_output=True, text=True)  # the first verify of a generation records its results
         warm = [_timed(lambda: subprocess.run(cmd, capture_output=True, text=True)) for _ in range(self.runs)]
-        gen = store.active()
-        assert gen is not None
         site = next(gen.env.glob("lib/python3.*/site-packages"))
         # torch/version.py: every import check and SGLang's planner import it.
         changed = next(site.glob("torch/version.py"), None) or next(p for p in site.rglob("*.py") if p.is_file())
