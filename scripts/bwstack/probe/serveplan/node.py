@@ -123,6 +123,12 @@ def _driver_present() -> bool:
     return any((Path(d) / "libcuda.so.1").exists() for d in elfscan.system_library_dirs())
 
 
+def needs_stand_in(device: Device) -> bool:
+    """Whether planning for this device loads the env's kernels against the stand-in libcuda.so.1: a simulated
+    target on a host without an NVIDIA driver."""
+    return device.mode == SIMULATED and not _driver_present()
+
+
 def _child_env(base: dict[str, str], bin_dir: Path | None, stub_dir: Path | None) -> dict[str, str]:
     env = interp.clean_env(base=base)
     env.update(OFFLINE)
@@ -187,7 +193,7 @@ def run_inenv(
             bin_dir = tmpdir / "bin"
             bin_dir.mkdir()
             _stand_in_smi(bin_dir, device, python)
-            if not _driver_present():
+            if needs_stand_in(device):
                 stub_dir = stand_in.folder()
                 if stub_dir is None:
                     notes.append("no stand-in libcuda.so.1 (no C compiler, or nothing here links libcuda)")
