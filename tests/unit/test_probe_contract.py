@@ -81,7 +81,29 @@ def test_the_import_check_reports_each_modules_outcome_from_one_interpreter():
     from bwstack.probe import main as probe
 
     statements = {"json": "import json", "absent": "import bwstack_no_such_module", "raises": "raise SystemExit(3)"}
+    # The last assertion also fails when the result line is lost: the one-process-per-module fallback sees no
+    # message for SystemExit on stderr.
     outcome = probe._import_all(sys.executable, statements, interp.clean_env())
     assert outcome["json"] == {"ok": True, "error": ""}
     assert not outcome["absent"]["ok"] and "ModuleNotFoundError" in outcome["absent"]["error"]
     assert not outcome["raises"]["ok"] and "SystemExit" in outcome["raises"]["error"]
+
+
+def test_a_child_runs_from_the_root_directory_not_the_callers(tmp_path, monkeypatch):
+    # `python -c` puts its working directory first on sys.path: a module planted where the caller stands is
+    # never what a root probe imports.
+    (tmp_path / "bwstack_planted.py").write_text("raise SystemExit('imported from the caller directory')\n")
+    monkeypatch.chdir(tmp_path)
+    code = "import os, sys; print(os.getcwd()); import importlib.util as u; print(u.find_spec('bwstack_planted'))"
+    rc, out, _ = interp.run([sys.executable, "-c", code], env=interp.clean_env())
+    assert rc == 0 and out.split() == ["/", "None"]
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [(None, "/stub"), ("", "/stub"), ("/opt/lib", "/stub:/opt/lib")],
+    ids=["unset", "empty", "set"],
+)
+def test_a_library_folder_goes_first_and_leaves_no_empty_entry(before, after):
+    env = {} if before is None else {"LD_LIBRARY_PATH": before}
+    assert interp.with_library_dir(env, "/stub")["LD_LIBRARY_PATH"] == after

@@ -10,6 +10,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -127,11 +128,27 @@ def test_one_stand_in_libcuda_is_built_for_every_caller_of_a_probe_run_and_remov
     assert not folder.exists()
 
 
-def test_no_stand_in_libcuda_where_nothing_links_it(tmp_path: Path):
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="without gcc there is never a stand-in")
+def test_no_stand_in_libcuda_where_nothing_links_it(tmp_path: Path, monkeypatch):
     (tmp_path / "site-packages").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
     with probe.StandInLibcuda(tmp_path / "site-packages") as stand_in:
         assert stand_in.folder() is None
         assert stand_in.folder() is None  # asked again: the same answer
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc to build the fixture extension")
+def test_a_stand_in_asked_for_after_the_probe_run_ended_is_not_built(tmp_path: Path, monkeypatch):
+    sp = tmp_path / "site-packages"
+    _extension_needing_libcuda(sp, tmp_path / "libs")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    stand_in = probe.StandInLibcuda(sp)
+    stand_in.close()
+    assert stand_in.folder() is None
+    assert list((tmp_path / "tmp").iterdir()) == []
 
 
 def _planner_script():

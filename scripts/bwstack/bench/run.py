@@ -374,7 +374,10 @@ class Bench:
         if sealed.unchanged_generation(gen.env) is not None:
             # Left changed by an interrupted run (or by hand): back to its manifest, or the "unchanged" row would
             # time cold verifies.
-            store.repair(gen)
+            left = store.repair(gen)
+            why = "; ".join(str(p) for p in left[:3]) or sealed.unchanged_generation(gen.env)
+            if why:
+                return [Figure("P5", "verify of a sealed generation", [], note=f"not run: {gen.name}: {why}")]
         cmd = self.verify_cmd(env)
         subprocess.run(cmd, capture_output=True, text=True)  # the first verify of a generation records its results
         warm = [_timed(lambda: subprocess.run(cmd, capture_output=True, text=True)) for _ in range(self.runs)]

@@ -34,10 +34,15 @@ def clean_env(
     return env
 
 
-def run(cmd: list[str], timeout: int = 120, env: Mapping[str, str] | None = None) -> tuple[int, str, str]:
-    """(returncode, stdout, stderr); a missing program is 127 and a timeout 124, as a shell would say."""
+def run(
+    cmd: list[str], timeout: int = 120, env: Mapping[str, str] | None = None, cwd: str = "/"
+) -> tuple[int, str, str]:
+    """(returncode, stdout, stderr); a missing program is 127 and a timeout 124, as a shell would say.
+
+    Children run from "/", not from the caller's directory: an interpreter started with -c or -m puts its working
+    directory first on sys.path, and an empty entry of a library path means it too; "/" is writable by root only."""
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
     except FileNotFoundError:
         return 127, "", f"{cmd[0]}: not found"
     except subprocess.TimeoutExpired:
@@ -45,6 +50,13 @@ def run(cmd: list[str], timeout: int = 120, env: Mapping[str, str] | None = None
     except OSError as exc:
         return 126, "", f"{cmd[0]}: {exc.strerror or exc}"
     return out.returncode, out.stdout, out.stderr
+
+
+def with_library_dir(env: Mapping[str, str], folder: str | os.PathLike) -> dict[str, str]:
+    """`env` with `folder` searched first for shared libraries. No empty entry is left (it would mean the working
+    directory) when there was no library path before."""
+    before = env.get("LD_LIBRARY_PATH", "")
+    return {**env, "LD_LIBRARY_PATH": f"{folder}:{before}" if before else str(folder)}
 
 
 def script_source(name: str) -> str:

@@ -372,9 +372,12 @@ class StandInLibcuda:
         self._dir: Path | None = None
         self._built = False
         self._lib: Path | None = None
+        self._closed = False
 
     def folder(self) -> Path | None:
         with self._lock:
+            if self._closed:  # asked after the probe run ended (an error path): nothing is built any more
+                return None
             if not self._built:
                 self._built = True
                 self._dir = Path(tempfile.mkdtemp(prefix="bwstack-stub-"))
@@ -389,6 +392,7 @@ class StandInLibcuda:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             if self._dir is not None:
                 shutil.rmtree(self._dir, ignore_errors=True)
                 self._dir = None
@@ -429,10 +433,10 @@ def import_facts(env: Path, sp: Path, gpu_present: bool, stand_in: StandInLibcud
                 for module in blocked:
                     results[module]["with_stub_libcuda"] = {
                         "ok": None,
-                        "error": "no C compiler here to build a stand-in libcuda.so.1",
+                        "error": "no stand-in libcuda.so.1 could be built here (no C compiler, or nothing links it)",
                     }
             else:
-                env_stub = {**base, "LD_LIBRARY_PATH": f"{stub_dir}:{base.get('LD_LIBRARY_PATH', '')}"}
+                env_stub = interp.with_library_dir(base, stub_dir)
                 again = _import_all(python, {m: IMPORTS[m] for m in blocked}, env_stub)
                 for module, outcome in again.items():
                     results[module]["with_stub_libcuda"] = {
@@ -540,47 +544,49 @@ def collect(
     # One stand-in libcuda.so.1 for the import checks and the planner (built by whichever needs it first).
     stand_in = StandInLibcuda(sp)
     try:
-        pool = ThreadPoolExecutor(max_workers=2)
-        pending = (
-            pool.submit(import_facts, env, sp, facts["gpu"]["present"], stand_in)
-            if imports and reused is None
-            else None
-        )
-        facts["cuda"] = cuda_facts(env, capability)
-        lap("cuda")
-        if static:  # what a fix search's serve-plan runs of this verify hand back to skip the unchanged check
-            facts["facts_source"]["reuse"] = {"basis": sealed.basis(env), "gpu": gpu_key, "cuda": facts["cuda"]}
-        # SGLang's planner is another process too: it starts before the ELF files are read, beside the imports.
-        planning, plan_key = None, None
-        if serve_plan and serve_plan.get("requests"):
-            from bwstack.probe.serveplan import node
+        # Leaving the pool waits for its workers, even on an error here: none still uses the stand-in when it goes.
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            pending = (
+                pool.submit(import_facts, env, sp, facts["gpu"]["present"], stand_in)
+                if imports and reused is None
+                else None
+            )
+            facts["cuda"] = cuda_facts(env, capability)
+            lap("cuda")
+            if static:  # what a fix search's serve-plan runs of this verify hand back to skip the unchanged check
+                facts["facts_source"]["reuse"] = {"basis": sealed.basis(env), "gpu": gpu_key, "cuda": facts["cuda"]}
+            # SGLang's planner is another process too: it starts before the ELF files are read, beside the imports.
+            planning, plan_key = None, None
+            if serve_plan and serve_plan.get("requests"):
+                from bwstack.probe.serveplan import node
 
-            plan_key = sealed.derived_key(env, "serve-plan", serve_plan, gpu_key, facts["cuda"]) if static else None
-            facts["serve_plan"] = sealed.load_derived(env, plan_key)
-            if facts["serve_plan"] is None:
-                device = node.resolve_device(serve_plan["device"], env)
-                if node.needs_stand_in(device):
-                    # Built here, before the ELF scan: built beside the scan (both Python, one GIL) it held the
-                    # planner's interpreter back by a second. (On 2 cores the total stays bound by the CPU.)
-                    stand_in.folder()
-                planning = pool.submit(node.observe_job, env, device, serve_plan, cuda=facts["cuda"], stand_in=stand_in)
+                plan_key = sealed.derived_key(env, "serve-plan", serve_plan, gpu_key, facts["cuda"]) if static else None
+                facts["serve_plan"] = sealed.load_derived(env, plan_key)
+                if facts["serve_plan"] is None:
+                    device = node.resolve_device(serve_plan["device"], env)
+                    if node.needs_stand_in(device):
+                        # Built here, before the ELF scan: built beside the scan (both Python, one GIL) it held the
+                        # planner's interpreter back by a second. (On 2 cores the total stays bound by the CPU.)
+                        stand_in.folder()
+                    planning = pool.submit(
+                        node.observe_job, env, device, serve_plan, cuda=facts["cuda"], stand_in=stand_in
+                    )
+                else:
+                    facts["facts_source"]["serve_plan"] = "recorded"
+            if static:
+                facts["elf"], facts["fatbin"], facts["features"] = static["elf"], static["fatbin"], static["features"]
+                lap("static facts (recorded)")
             else:
-                facts["facts_source"]["serve_plan"] = "recorded"
-        if static:
-            facts["elf"], facts["fatbin"], facts["features"] = static["elf"], static["fatbin"], static["features"]
-            lap("static facts (recorded)")
-        else:
-            facts.update(static_facts(env, sp, capability, facts["env"].get("torch_version_py") or {}))
-            lap("elf, fatbin, features")
-        if planning is not None:
-            facts["serve_plan"] = planning.result().as_dict()
-            sealed.save_derived(env, plan_key, facts["serve_plan"])
-            lap("serve-plan (rest)")
-        if pending is not None:
-            facts["imports"] = pending.result()
-            sealed.save_derived(env, import_key, facts["imports"])
-            lap("imports (rest)")
-        pool.shutdown()
+                facts.update(static_facts(env, sp, capability, facts["env"].get("torch_version_py") or {}))
+                lap("elf, fatbin, features")
+            if planning is not None:
+                facts["serve_plan"] = planning.result().as_dict()
+                sealed.save_derived(env, plan_key, facts["serve_plan"])
+                lap("serve-plan (rest)")
+            if pending is not None:
+                facts["imports"] = pending.result()
+                sealed.save_derived(env, import_key, facts["imports"])
+                lap("imports (rest)")
     finally:
         stand_in.close()
     if runtime and facts["gpu"]["present"]:

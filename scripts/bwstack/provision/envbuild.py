@@ -87,7 +87,8 @@ def compile_bytecode(env_dir: Path) -> None:
     site = envinspect.site_packages(env_dir)
     cmd = [str(env_dir / "bin" / "python"), "-m", "compileall", "-q", "-q", "-j", "0", str(site)]
     try:
-        result = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), timeout=3600)
+        # From "/": `-m` puts the working directory first on sys.path, and only root can write to "/".
+        result = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), timeout=3600, cwd="/")
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise BwstackError(f"compiling the bytecode of {env_dir} failed: {exc}") from None
     if result.returncode not in (0, 1):  # 1: some file did not compile, which is not ours to fix

@@ -17,4 +17,9 @@ print("BWSTACK-IMPORTS " + json.dumps(out), flush=True)
 sys.stderr.flush()
 # The outcome is written; the interpreter's teardown (torch.library's finalizers unregistering every op the
 # imports registered: seconds on 2 cores) is not part of it, and the probe reads the line whatever the exit.
+# The daemonic multiprocessing children a normal exit would end are ended here: they hold our stdout open.
+if "multiprocessing" in sys.modules:
+    for child in sys.modules["multiprocessing"].active_children():
+        if child.daemon:
+            child.terminate()
 os._exit(0)

@@ -97,6 +97,7 @@ def _source_of(obj) -> tuple[str | None, list[str], int] | None:
     """(file, lines, first line) of a class or function's source, or None. Kept for the process (keyed by the
     object's identity, the object held so the key stays its own): inspect tokenizes the whole definition each
     time, and ServerArgs (thousands of lines) is asked about once per field and request."""
+    obj = getattr(obj, "__func__", obj)  # a bound method's source is its function's; its instance is not kept
     held = _SOURCES.get(id(obj))
     if held is not None and held[0] is obj:
         return held[1]
@@ -914,9 +915,21 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def _leave(code: int) -> None:
+    """Exit without the interpreter's teardown, ending the daemonic multiprocessing children a normal exit ends
+    (they hold our stdout open, and the probe reads it to its end)."""
+    multiprocessing = sys.modules.get("multiprocessing")
+    if multiprocessing is not None:
+        for child in multiprocessing.active_children():
+            if child.daemon:
+                child.terminate()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
     code = main(sys.argv)
-    sys.stderr.flush()
     # The result is written; what is left is the interpreter's teardown, where torch.library's finalizers
     # unregister every op SGLang and its kernels registered (about 2 s on 2 cores), which the plan does not need.
-    os._exit(code)
+    _leave(code)

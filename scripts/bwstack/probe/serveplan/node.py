@@ -135,7 +135,7 @@ def _child_env(base: dict[str, str], bin_dir: Path | None, stub_dir: Path | None
     if bin_dir is not None:
         env["PATH"] = f"{bin_dir}:{env.get('PATH', '/usr/bin:/bin')}"
     if stub_dir is not None:
-        env["LD_LIBRARY_PATH"] = f"{stub_dir}:{env.get('LD_LIBRARY_PATH', '')}"
+        env = interp.with_library_dir(env, stub_dir)
     return env
 
 
