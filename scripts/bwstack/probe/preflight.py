@@ -42,7 +42,7 @@ def runs_as(python: str, version: str) -> bool:
     try:
         out = subprocess.run(
             [python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
-            capture_output=True, text=True, timeout=30,
+            capture_output=True, text=True, timeout=30, cwd="/",  # -c puts the working directory on sys.path
         )  # fmt: skip
     except (OSError, subprocess.TimeoutExpired):
         return False
