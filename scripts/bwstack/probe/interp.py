@@ -34,15 +34,13 @@ def clean_env(
     return env
 
 
-def run(
-    cmd: list[str], timeout: int = 120, env: Mapping[str, str] | None = None, cwd: str = "/"
-) -> tuple[int, str, str]:
+def run(cmd: list[str], timeout: int = 120, env: Mapping[str, str] | None = None) -> tuple[int, str, str]:
     """(returncode, stdout, stderr); a missing program is 127 and a timeout 124, as a shell would say.
 
     Children run from "/", not from the caller's directory: an interpreter started with -c or -m puts its working
     directory first on sys.path, and an empty entry of a library path means it too; "/" is writable by root only."""
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd="/")
     except FileNotFoundError:
         return 127, "", f"{cmd[0]}: not found"
     except subprocess.TimeoutExpired:

@@ -31,8 +31,6 @@ from bwstack.probe.treecheck import differences, read_bounded, sha256_file, vali
 FORMAT = 2
 MANIFEST_NAME = "manifest.json"
 
-CHUNK = 4 << 20
-
 
 class ManifestError(ValueError):
     """A manifest that cannot be read or does not have the expected shape; the message says where."""

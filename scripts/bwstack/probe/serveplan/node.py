@@ -419,6 +419,11 @@ def kernel_facts(env: Path, capability: str, sgl_kernel_ops: str | None = None, 
 HINTS_KEPT = 16  # requests remembered per job
 
 
+def _asked_key(env: Path, job: dict) -> str | None:
+    """Where the store's verify cache keeps what fix searches asked for after `job` on this generation."""
+    return sealed.derived_key(env, "fix-search-asked", job)
+
+
 def _env_key(request: dict) -> str:
     return json.dumps(sorted((request.get("env") or {}).items()))
 
@@ -446,7 +451,7 @@ def hinted_requests(env: Path, job: dict) -> list[Request]:
     planned as before). A hint is one of the job's own requests with other server arguments (what a fix search
     changes): anything else, and a request that would need an interpreter of its own (another environment), is
     left out."""
-    hints = sealed.load_derived(env, sealed.derived_key(env, "fix-search-asked", job))
+    hints = sealed.load_derived(env, _asked_key(env, job))
     if not isinstance(hints, list):
         return []
     base = [_normal(r) for r in job.get("requests") or [] if isinstance(r, dict)]
@@ -467,7 +472,7 @@ def hinted_requests(env: Path, job: dict) -> list[Request]:
 
 
 def forget_asked(env: Path, job: dict) -> None:
-    sealed.save_derived(env, sealed.derived_key(env, "fix-search-asked", job), [])
+    sealed.save_derived(env, _asked_key(env, job), [])
 
 
 def observe_job(
@@ -496,7 +501,7 @@ def observe_job(
 
 def remember_asked(env: Path, job: dict, requests: list[dict]) -> None:
     """Remember the requests a fix search asked for after `job` (best effort, the store's owner only)."""
-    key = sealed.derived_key(env, "fix-search-asked", job)
+    key = _asked_key(env, job)
     known = sealed.load_derived(env, key)
     known = [r for r in known if isinstance(r, dict)] if isinstance(known, list) else []
     for request in requests:
