@@ -184,3 +184,21 @@ def test_cli_help_lists_every_job():
     out = bwstack("--help", check=True).stdout
     for command in ("lock", "show", "plan", "build", "rollback", "backup", "restore", "generations", "verify"):
         assert command in out
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--only", "P9"], "'P9': not a bench"),
+        (["--only", "P5,x"], "'x': not a bench"),
+        (["--only", ","], "names no bench"),
+        (["--work", "/proc/bwstack-bench-test"], "--work /proc/bwstack-bench-test: cannot be created"),
+    ],
+    ids=["unknown-bench", "one-unknown", "names-none", "scratch-not-creatable"],
+)
+def test_bench_refuses_bad_input_before_measuring_anything(args, says, tmp_path):
+    work = [] if "--work" in args else ["--work", str(tmp_path / "work")]
+    result = bwstack("bench", *work, *args)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and says in result.stderr
+    assert not (tmp_path / "work").exists() or not any((tmp_path / "work").iterdir())

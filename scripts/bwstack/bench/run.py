@@ -37,6 +37,7 @@ import yaml
 from packaging.requirements import Requirement
 
 from bwstack import paths
+from bwstack.bench import BENCHES
 from bwstack.lock.model import load_lock, spec_digest
 from bwstack.lock.read import load_yaml, read_lock_text
 from bwstack.lock.tags import Target, select
@@ -542,7 +543,7 @@ def _du(path: Path) -> int:
 
 def run(lock: str, profile: str, work: str, runs: int, quick: bool, only: list[str] | None, log=print) -> list[Figure]:
     bench = Bench(Path(lock), profile, Path(work), runs, quick, log)
-    wanted = set(only or ["P1", "P2", "P3", "P4", "P5", "P6", "P7"])
+    wanted = set(only or BENCHES)
     figures: list[Figure] = []
     pip_runs: list[float] = []
     if "P1" in wanted or "P2" in wanted:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
+from bwstack.bench import BENCHES
 from bwstack.cli import options
 from bwstack.cli.console import Console
+from bwstack.errors import UsageError
 
 NAME = "bench"
 HELP = "the performance figures (P1-P7) against their anchors, in one run"
@@ -17,8 +21,28 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--work", default="/var/tmp/bwstack-bench", help="scratch directory (tens of GB for cu128)")
     p.add_argument("--runs", type=options.positive_int, default=3)
     p.add_argument("--quick", action="store_true", help="a small real closure: checks the harness, not speed")
-    p.add_argument("--only", help="comma list, e.g. P1,P3")
+    p.add_argument("--only", type=_benches, help=f"comma list of {', '.join(BENCHES)}, e.g. P1,P3")
     options.add_json(p)
+
+
+def _benches(value: str) -> str:
+    names = [x.strip() for x in value.split(",") if x.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"{value!r} names no bench ({', '.join(BENCHES)})")
+    unknown = [x for x in names if x.upper() not in BENCHES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{', '.join(map(repr, unknown))}: not a bench ({', '.join(BENCHES)})")
+    return value
+
+
+def _scratch(work: str) -> None:
+    """The scratch directory can be made and written, before any bench spends minutes."""
+    try:
+        Path(work).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--work {work}: cannot be created ({exc.strerror or exc})") from None
+    if not os.access(work, os.W_OK | os.X_OK):
+        raise UsageError(f"--work {work}: not writable")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -27,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
     from bwstack.bench import run as bench
 
     console = Console.of(args)
-    only = [x.strip().upper() for x in args.only.split(",")] if args.only else None
+    _scratch(args.work)
+    only = [x.strip().upper() for x in args.only.split(",") if x.strip()] if args.only else None
     figures = bench.run(args.lock, args.profile, args.work, args.runs, args.quick, only, log=console.note)
 
     def text() -> str:
