@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     env = Path(args.env)
     site = make_env(env, Path(args.wheels))
-    # bwstack's node side needs pyelftools (carried): import it from the env just made, bwstack from this checkout
+    # bwstack's node side from this checkout, SGLang and its dependencies from the env just made
     sys.path[:0] = [str(REPO / "scripts"), str(site)]
     from bwstack.probe.serveplan import node, references
     from bwstack.serveplan import assemble, catalogue, render

@@ -1,6 +1,6 @@
 """Fixtures for the node checks: the lock (read here, on the controller) and one probe run per host.
 
-The probe (bwstack.probe.main, shipped as a zipapp with pyelftools) runs on each target with the env's own Python
+The probe (bwstack.probe.main, shipped as a zipapp) runs on each target with the env's own Python
 and reports facts as JSON; every test judges one fact against the lock and says what to do when it is wrong.
 """
 

@@ -1,7 +1,7 @@
 """The package's layers, lowest first: a module imports its own layer and lower ones, never a higher one.
 
 The probe is the bottom and stands alone: it is what ships to nodes as a zipapp, so it imports nothing of
-bwstack outside itself and nothing outside the standard library but pyelftools. `lock` knows no store,
+bwstack outside itself and nothing outside the standard library. `lock` knows no store,
 `store` knows no provisioning, and only `cli` sees everything.
 """
 
@@ -31,7 +31,7 @@ LAYERS: tuple[frozenset[str], ...] = (
 )
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 # What the probe may import besides the standard library (it runs on nodes without bwstack's dependencies).
-PROBE_THIRD_PARTY = {"elftools"}
+PROBE_THIRD_PARTY: set[str] = set()
 
 
 def unit_of(path: Path) -> str:
@@ -99,7 +99,7 @@ def in_env_scripts() -> list[Path]:
     [p for p in modules() if unit_of(p) == "probe" and p not in in_env_scripts()],
     ids=lambda p: str(p.relative_to(PACKAGE)),
 )
-def test_the_probe_imports_only_itself_the_standard_library_and_pyelftools(path):
+def test_the_probe_imports_only_itself_and_the_standard_library(path):
     outside = []
     for line, module in imports_of(path):
         top = module.split(".")[0]

@@ -161,3 +161,37 @@ def test_restore_from_an_archive_on_a_clean_root_imports(real, tmp_path):
     facts = json.loads(restored.stdout)["switch"]["post_check"]
     assert (facts["torch"], facts["torch_cuda"]) == ("2.9.1+cu128", "12.8")
     shutil.rmtree(tmp_path / "new-root", ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------ issue 16
+
+
+def test_every_shared_library_of_the_real_env_reads_as_pyelftools_reads_it(real):
+    """The probe's own ELF reader against an independent one on the stack's real files: every shared object's
+    dynamic entries, and the symbols of the files the ABI check reads (sgl-kernel's extensions against torch's)."""
+    pytest.importorskip("elftools", reason="pyelftools (the dev extra) is the second reader")
+    from elftools.elf.elffile import ELFFile
+
+    from bwstack.probe import elfscan
+
+    site = next(real.ml_env.resolve().glob("lib/python3.*/site-packages"))
+    checked = 0
+    for path in sorted(site.rglob("*.so*")):
+        if path.is_symlink() or not path.is_file():
+            continue
+        with open(path, "rb") as fh:
+            if fh.read(4) != b"\x7fELF":
+                continue
+        with open(path, "rb") as fh:
+            dynamic = next((s for s in ELFFile(fh).iter_sections() if s["sh_type"] == "SHT_DYNAMIC"), None)
+            theirs = [(t.entry.d_tag, getattr(t, "needed", None)) for t in dynamic.iter_tags()] if dynamic else []
+        needed = [n for tag, n in theirs if tag == "DT_NEEDED"]
+        assert elfscan.needed(path) == needed, path
+        checked += 1
+    assert checked > 300
+    for path in [*site.glob("sgl_kernel/*/common_ops*.so"), site / "torch/lib/libc10.so"]:
+        with open(path, "rb") as fh:
+            dynsym = ELFFile(fh).get_section_by_name(".dynsym")
+            theirs = sorted((s.name, s["st_shndx"] != "SHN_UNDEF") for s in dynsym.iter_symbols() if s["st_name"])
+        ours = sorted((s.name, s.defined) for s in elfscan._dynamic_symbols(elfscan._key(path)))
+        assert ours == theirs, path

@@ -42,7 +42,6 @@ def _python(env: str | None) -> str | None:
         if not python.is_file() or not os.access(python, os.X_OK):
             raise UsageError(f"--env {env}: no Python there (expected an env directory or a python executable)")
         return str(python)
-    # not bwstack.probe.main: that needs pyelftools, which a GPU host may lack
     from bwstack.store.layout import Layout
 
     python = Layout.default().ml_env / "bin" / "python"

@@ -1,4 +1,4 @@
-"""The probe as one zipapp (bwstack's probe modules + pyelftools), shipped to hosts that lack bwstack."""
+"""The probe as one zipapp (bwstack's probe modules, standard library only), shipped to hosts that lack bwstack."""
 
 from __future__ import annotations
 
@@ -8,12 +8,10 @@ import zipfile
 from functools import cache
 from pathlib import Path
 
-import elftools
-
 import bwstack
 
 # The probe is the package bwstack.probe, whole: its boundary is the folder (and the import-layer test keeps it
-# standard library + pyelftools), not a list of file names to keep in step.
+# standard library only), not a list of file names to keep in step.
 SHIPPED_SUFFIXES = (".py", ".json")
 MAIN = "from bwstack.probe.main import main\nraise SystemExit(main())\n"
 
@@ -31,9 +29,6 @@ def build() -> bytes:
             if path.is_file() and path.suffix in SHIPPED_SUFFIXES and "__pycache__" not in path.parts:
                 rel = path.relative_to(package).as_posix()
                 archive.writestr(zipfile.ZipInfo(f"bwstack/{rel}", stamp), path.read_bytes())
-        root = Path(elftools.__file__).parent
-        for path in sorted(root.rglob("*.py")):
-            archive.writestr(zipfile.ZipInfo(f"elftools/{path.relative_to(root)}", stamp), path.read_bytes())
     return buffer.getvalue()
 
 

@@ -19,7 +19,7 @@ from bwstack.errors import BwstackError
 from bwstack.probe.treecheck import sha256_file
 
 # What bwstack needs at build time inside the image (env install, cuda install, patch apply); the rest of its
-# dependencies (docker, ansible-core, pytest, pyelftools, zstandard) serve other commands.
+# dependencies (docker, ansible-core, pytest, zstandard) serve other commands.
 TOOL_DEPENDENCIES = ("packaging", "PyYAML", "requests", "urllib3", "idna", "certifi", "charset-normalizer")
 # Modules that only run on the host: left out of the tool digest so editing them does not rebuild every layer.
 HOST_ONLY = ("bwstack/image/",)

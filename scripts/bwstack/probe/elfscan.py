@@ -1,8 +1,8 @@
 """Static "ldd -r" for shared libraries: DT_NEEDED, RPATH, dynamic symbols and the torch ABI check.
 
-Reads the files with pyelftools (the symbol tables in bulk with struct: ~8x faster than iter_symbols on the
-400 MB libtorch_cpu.so); nothing is loaded or executed, so it works on a box without GPU or driver.
-Standard library plus pyelftools: this module also runs on target hosts inside the verify probe.
+Reads the files with probe.elfread (headers and the few sections asked for; the symbol tables in bulk with
+struct); nothing is loaded or executed, so it works on a box without GPU or driver.
+Standard library only: this module also runs on target hosts inside the verify probe.
 """
 
 from __future__ import annotations
@@ -19,12 +19,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # pyelftools is imported when a file is first read (0.2 s the probe's cached runs skip)
-    from elftools.elf.elffile import ELFFile
+from bwstack.probe import elfread
 
-ELF_MAGIC = b"\x7fELF"
+ELF_MAGIC = elfread.ELF_MAGIC
 _TORCH_NS = re.compile(r"(?<![0-9])(?:3c10|2at|5torch|6caffe2)")  # mangled c10::, at::, torch::, caffe2::
 # torch's own libraries (libtorchaudio, libtorchcodec_* are other packages' and live beside them)
 _TORCH_LIB = re.compile(r"^lib(?:c10(?:_cuda)?|torch(?:_cpu|_cuda|_cuda_linalg|_python|_global_deps|_nvshmem)?)\.so$")
@@ -32,6 +30,7 @@ _BINDINGS = {0: "LOCAL", 1: "GLOBAL", 2: "WEAK", 10: "UNIQUE"}
 _TYPES = {0: "NOTYPE", 1: "OBJECT", 2: "FUNC", 3: "SECTION", 4: "FILE", 5: "COMMON", 6: "TLS", 10: "IFUNC"}
 _DEFAULT_DIRS = ("/lib64", "/usr/lib64", "/lib", "/usr/lib")
 _LDCONFIG_ARCH = {"x86_64": "x86-64", "aarch64": "AArch64", "ppc64le": "64bit", "s390x": "64bit"}
+_DT_NEEDED, _DT_SONAME, _DT_RPATH, _DT_RUNPATH = 1, 14, 15, 29
 
 
 class NotElfError(ValueError):
@@ -47,17 +46,14 @@ def check_elf(path: str | os.PathLike[str]) -> None:
 
 
 @contextmanager
-def open_elf(path: str | os.PathLike[str]) -> Iterator[ELFFile]:
-    """pyelftools' ELFFile on ``path``; a non-ELF or corrupt file raises NotElfError (also from the body)."""
-    from elftools.common.exceptions import ELFError
-    from elftools.elf.elffile import ELFFile
-
+def open_elf(path: str | os.PathLike[str]) -> Iterator[elfread.ElfFile]:
+    """The file's headers (probe.elfread); a non-ELF or corrupt file raises NotElfError (also from the body)."""
     check_elf(path)
-    with open(path, "rb") as fh:
-        try:
-            yield ELFFile(fh)
-        except (ELFError, struct.error) as exc:
-            raise NotElfError(f"{path}: unreadable ELF file ({exc})") from exc
+    try:
+        with elfread.open_elf(path) as elf:
+            yield elf
+    except elfread.CorruptElf as exc:
+        raise NotElfError(f"{path}: unreadable ELF file ({exc})") from exc
 
 
 # ------------------------------------------------------------------------------------- dynamic section
@@ -96,24 +92,21 @@ def _dynamic_info(key: tuple[str, int, int]) -> DynamicInfo:
     runpath: list[str] = []
     with open_elf(path) as elf:
         ident = _ident(elf)
-        dynamic = next((s for s in elf.iter_sections() if s["sh_type"] == "SHT_DYNAMIC"), None)
-        if dynamic is None:
-            dynamic = next((s for s in elf.iter_segments() if s["p_type"] == "PT_DYNAMIC"), None)
-        for tag in dynamic.iter_tags() if dynamic is not None else ():
-            kind = tag.entry.d_tag
-            if kind == "DT_NEEDED":
-                needed.append(tag.needed)
-            elif kind == "DT_SONAME":
-                soname = tag.soname
-            elif kind == "DT_RPATH":
-                rpath += [expand_origin(p, origin) for p in tag.rpath.split(":") if p]
-            elif kind == "DT_RUNPATH":
-                runpath += [expand_origin(p, origin) for p in tag.runpath.split(":") if p]
+        entries, strings = elf.dynamic_entries()
+        for tag, value in entries:
+            if tag == _DT_NEEDED:
+                needed.append(elfread.string_at(strings, value))
+            elif tag == _DT_SONAME:
+                soname = elfread.string_at(strings, value)
+            elif tag == _DT_RPATH:
+                rpath += [expand_origin(p, origin) for p in elfread.string_at(strings, value).split(":") if p]
+            elif tag == _DT_RUNPATH:
+                runpath += [expand_origin(p, origin) for p in elfread.string_at(strings, value).split(":") if p]
     return DynamicInfo(path, soname, tuple(needed), tuple(rpath), tuple(runpath), ident)
 
 
-def _ident(elf: ELFFile) -> bytes:
-    return bytes([elf.elfclass, 1 if elf.little_endian else 2]) + str(elf["e_machine"]).encode()
+def _ident(elf: elfread.ElfFile) -> bytes:
+    return bytes([elf.elfclass, 1 if elf.little_endian else 2]) + elf.machine.to_bytes(2, "little")
 
 
 def dynamic_info(path: str | os.PathLike[str]) -> DynamicInfo:
@@ -162,22 +155,23 @@ _VISIBILITY = ("DEFAULT", "INTERNAL", "HIDDEN", "PROTECTED")
 def _dynamic_symbols(key: tuple[str, int, int]) -> tuple[Symbol, ...]:
     path = key[0]
     with open_elf(path) as elf:
-        dynsym = next((s for s in elf.iter_sections() if s["sh_type"] == "SHT_DYNSYM"), None)
+        dynsym = elf.first(elfread.SHT_DYNSYM)
         if dynsym is None:
             return ()
-        strtab = elf.get_section(dynsym["sh_link"]).data()
-        raw = dynsym.data()
-        endian = "<" if elf.little_endian else ">"
+        strtab = elf.data(elf.section(dynsym.link))
+        endian = elf.endian
         if elf.elfclass == 64:  # name, info, other, shndx, value, size
-            rows = ((n, i, o, s) for n, i, o, s, _v, _z in struct.iter_unpack(endian + "IBBHQQ", raw))
+            fmt = endian + "IBBHQQ"
+            rows = ((n, i, o, s) for n, i, o, s, _v, _z in struct.iter_unpack(fmt, _whole(elf.data(dynsym), fmt)))
         else:  # name, value, size, info, other, shndx
-            rows = ((n, i, o, s) for n, _v, _z, i, o, s in struct.iter_unpack(endian + "IIIBBH", raw))
-        versym, names = _versions(elf, endian)
+            fmt = endian + "IIIBBH"
+            rows = ((n, i, o, s) for n, _v, _z, i, o, s in struct.iter_unpack(fmt, _whole(elf.data(dynsym), fmt)))
+        versym, names = _versions(elf)
     out: list[Symbol] = []
     for index, (name_off, info, other, shndx) in enumerate(rows):
         if not name_off:
             continue
-        name = strtab[name_off : strtab.index(b"\0", name_off)].decode("utf-8", "replace")
+        name = elfread.string_at(strtab, name_off)
         version = names.get(versym[index] & 0x7FFF) if index < len(versym) else None
         out.append(
             Symbol(
@@ -192,24 +186,57 @@ def _dynamic_symbols(key: tuple[str, int, int]) -> tuple[Symbol, ...]:
     return tuple(out)
 
 
-def _versions(elf: ELFFile, endian: str) -> tuple[tuple[int, ...], dict[int, str]]:
+def _whole(raw: bytes, fmt: str) -> bytes:
+    size = struct.calcsize(fmt)
+    return raw[: len(raw) - len(raw) % size]
+
+
+def _versions(elf: elfread.ElfFile) -> tuple[tuple[int, ...], dict[int, str]]:
     """The .gnu.version array and the index -> version-name map (defined and needed versions)."""
     versym: tuple[int, ...] = ()
     names: dict[int, str] = {}
-    for sec in elf.iter_sections():
-        kind = sec["sh_type"]
-        if kind == "SHT_GNU_versym":
-            data = sec.data()
+    endian = elf.endian
+    for sec in elf.sections:
+        if sec.type == elfread.SHT_GNU_VERSYM:
+            data = _whole(elf.data(sec), "H")
             versym = struct.unpack(f"{endian}{len(data) // 2}H", data)
-        elif kind == "SHT_GNU_verdef":
-            for verdef, aux in sec.iter_versions():
-                if not verdef["vd_flags"] & 1:  # VER_FLG_BASE names the file itself, not a version
-                    names[verdef["vd_ndx"]] = next(iter(aux)).name
-        elif kind == "SHT_GNU_verneed":
-            for _verneed, aux in sec.iter_versions():
-                for vernaux in aux:
-                    names[vernaux["vna_other"]] = vernaux.name
+        elif sec.type == elfread.SHT_GNU_VERDEF:
+            data, strings = elf.data(sec), elf.data(elf.section(sec.link))
+            for at in _chain(data, sec.info, endian + "HHHHIII", 6):
+                _version, flags, index, _count, _hash, aux, _next = struct.unpack_from(endian + "HHHHIII", data, at)
+                if not flags & 1:  # VER_FLG_BASE names the file itself, not a version
+                    (name, _) = struct.unpack_from(endian + "II", data, _inside(data, at + aux, 8))
+                    names[index] = elfread.string_at(strings, name)
+        elif sec.type == elfread.SHT_GNU_VERNEED:
+            data, strings = elf.data(sec), elf.data(elf.section(sec.link))
+            for at in _chain(data, sec.info, endian + "HHIII", 4):
+                _version, count, _file, aux, _next = struct.unpack_from(endian + "HHIII", data, at)
+                for entry in _chain(data, count, endian + "IHHII", 4, start=at + aux):
+                    _hash, _flags, other, name, _n = struct.unpack_from(endian + "IHHII", data, entry)
+                    names[other] = elfread.string_at(strings, name)
     return versym, names
+
+
+def _inside(data: bytes, at: int, size: int) -> int:
+    if not 0 <= at <= len(data) - size:
+        raise elfread.CorruptElf(f"a version entry at offset {at} lies outside its section ({len(data)} bytes)")
+    return at
+
+
+def _chain(data: bytes, count: int, fmt: str, next_field: int, start: int = 0) -> Iterator[int]:
+    """Offsets of up to `count` entries linked by their `next` field (a relative offset; 0 ends the chain). A
+    chain longer than the section could hold, or one that leaves it, is corrupt: no count read from the file is
+    trusted."""
+    size = struct.calcsize(fmt)
+    if count > len(data) // size + 1:
+        raise elfread.CorruptElf(f"{count} version entries cannot fit in {len(data)} bytes")
+    at = start
+    for _ in range(count):
+        yield _inside(data, at, size)
+        step = struct.unpack_from(fmt, data, at)[next_field]
+        if step == 0:
+            return
+        at += step
 
 
 def undefined_symbols(path: str | os.PathLike[str]) -> list[Symbol]:

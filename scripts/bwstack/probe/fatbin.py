@@ -1,7 +1,7 @@
 """Which GPU architectures a shared library carries kernels for, read from its CUDA fatbinary.
 
 Parses the ``.nv_fatbin`` ELF section (the headers only, through mmap) without cuobjdump. Standard library
-plus pyelftools: this module also runs on target hosts inside the verify probe.
+only: this module also runs on target hosts inside the verify probe.
 
 Layout (checked against nvcc 13.0 output and cuobjdump 13.5): the section holds 8-byte aligned containers,
 each ``u32 magic 0xBA55ED50, u16 version, u16 header_size, u64 payload_size`` followed by entries. An entry
@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from bwstack.probe import elfread
 from bwstack.probe.elfscan import NotElfError, open_elf
 
 CONTAINER_MAGIC = 0xBA55ED50
@@ -82,9 +83,9 @@ def entries(path: str | os.PathLike[str]) -> list[FatbinEntry]:
     """
     with open_elf(path) as elf:
         regions = [  # .nv_fatbin (and __nv_relfatbin in -rdc objects); .nvFatBinSegment is not needed
-            (sec["sh_offset"], sec["sh_size"], sec.name == RELOCATABLE_SECTION)
-            for sec in elf.iter_sections()
-            if sec.name in _SECTIONS and sec["sh_type"] != "SHT_NOBITS" and sec["sh_size"]
+            (sec.offset, sec.size, sec.name == RELOCATABLE_SECTION)
+            for sec in elf.sections
+            if sec.name in _SECTIONS and sec.type != elfread.SHT_NOBITS and sec.size
         ]
         if not regions:
             return []

@@ -1,8 +1,8 @@
 """The verify probe: collects facts about a node's env and GPU, statically and by running small things.
 
-Runs on the target host (shipped as a zipapp with pyelftools) with any Python 3.10+; only the standard
-library, pyelftools and bwstack's other probe modules (envinspect, elfscan, fatbin, features, serveplan's node
-side). It prints one JSON document; the checks in tests/infra judge it against the lock on the controller.
+Runs on the target host (shipped as a zipapp) with any Python 3.10+; only the standard library and bwstack's
+other probe modules (envinspect, elfread, elfscan, fatbin, features, serveplan's node side). It prints one JSON
+document; the checks in tests/infra judge it against the lock on the controller.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import platform
 import re
 import shutil
 import socket
+import stat
 import sys
 import tempfile
 import threading
@@ -175,7 +176,17 @@ def cuda_facts(env: Path, capability: str) -> dict:
 
 
 def _so_files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*.so*") if p.is_file() and not p.is_symlink() and ".so" in p.name)
+    """Regular files named *.so* under `root`; links (to files or folders) are not followed (as rglob did: this
+    is its walk without pathlib's cost per entry)."""
+    found = []
+    for folder, _dirs, names in os.walk(root):
+        for name in names:
+            if ".so" in name:
+                path = os.path.join(folder, name)
+                with contextlib.suppress(OSError):
+                    if stat.S_ISREG(os.lstat(path).st_mode):
+                        found.append(Path(path))
+    return sorted(found)
 
 
 def extension_files(sp: Path) -> list[Path]:

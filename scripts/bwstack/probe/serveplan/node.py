@@ -1,7 +1,7 @@
 """Node side of serve-plan: run SGLang's own resolution in the env's interpreter and read the kernels its choices
 need, from the env's files.
 
-Standard library, pyelftools and bwstack's other node-side modules only: this module runs on target hosts inside
+Standard library and bwstack's other node-side modules only: this module runs on target hosts inside
 the probe zipapp. It decides nothing about SGLang: `inenv.py` observes SGLang's choices while they are made; this
 module prepares the device (the real GPU, or the target simulated: torch.cuda/NVML answers installed by the
 script, a stand-in `nvidia-smi` on PATH and, on a host without a driver, the probe's stand-in libcuda.so.1 so

@@ -1,0 +1,312 @@
+"""bwstack.probe.elfread, the probe's own ELF reader, and elfscan and fatbin on top of it.
+
+Two kinds of test. Each file this machine has (its C and C++ libraries, a program, libraries built here with
+sonames, RPATH, RUNPATH and symbol versions, hand-made 32-bit and big-endian objects) is read by elfread and
+by pyelftools, an independent reader: they must agree on every section, dynamic entry and symbol. And hostile
+files (a good library with one header, count or offset made to lie) must give NotElfError, never another
+exception, a hang or a read outside the file: the probe reads them as root.
+"""
+
+from __future__ import annotations
+
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from bwstack.probe import elfread, elfscan, fatbin
+from bwstack.probe.elfscan import NotElfError
+
+elftools = pytest.importorskip("elftools", reason="pyelftools (the dev extra) is the second reader")
+from elftools.elf.elffile import ELFFile  # noqa: E402
+
+needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not found")
+
+SYSTEM_FILES = [
+    p
+    for p in (
+        Path("/lib/x86_64-linux-gnu/libc.so.6"),
+        Path("/lib/x86_64-linux-gnu/libm.so.6"),
+        Path("/usr/lib/x86_64-linux-gnu/libstdc++.so.6"),
+        Path("/lib/x86_64-linux-gnu/libz.so.1"),
+        Path("/usr/lib/x86_64-linux-gnu/libcrypto.so.3"),
+        Path("/bin/ls"),
+    )
+    if p.exists()
+]
+
+
+def _cc(out: Path, source: str, *flags: str) -> Path:
+    src = out.with_suffix(".c")
+    src.write_text(source)
+    proc = subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(out), str(src), *flags], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Libraries with a soname and a version script (verdef), one that needs it by version (verneed), RPATH and
+    RUNPATH, and one with a weak undefined symbol."""
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc not found")
+    root = tmp_path_factory.mktemp("elfread")
+    (root / "v.map").write_text("V_1 { global: f; local: *; };\nV_2 { global: g; } V_1;\n")
+    lib = _cc(
+        root / "libv.so.1",
+        "int f(void){return 1;}\nint g(void){return 2;}\n",
+        "-Wl,-soname,libv.so.1",
+        f"-Wl,--version-script={root / 'v.map'}",
+    )
+    user = "extern int f(void); extern int w(void) __attribute__((weak));\nint u(void){return f() + (w ? w() : 0);}\n"
+    link = [f"-L{root}", "-l:libv.so.1"]
+    return {
+        "versions": lib,
+        "rpath": _cc(root / "librpath.so", user, *link, "-Wl,--disable-new-dtags,-rpath,$ORIGIN/a:/opt/b"),
+        "runpath": _cc(root / "librunpath.so", user, *link, "-Wl,--enable-new-dtags,-rpath,$ORIGIN/c"),
+    }
+
+
+# ------------------------------------------------------------------------------------- the second reader
+
+
+def _reference_dynamic(path: Path) -> dict:
+    with open(path, "rb") as fh:
+        elf = ELFFile(fh)
+        dynamic = next((s for s in elf.iter_sections() if s["sh_type"] == "SHT_DYNAMIC"), None)
+        out: dict = {"needed": [], "soname": None, "rpath": [], "runpath": []}
+        for tag in dynamic.iter_tags() if dynamic is not None else ():
+            kind = tag.entry.d_tag
+            if kind == "DT_NEEDED":
+                out["needed"].append(tag.needed)
+            elif kind == "DT_SONAME":
+                out["soname"] = tag.soname
+            elif kind == "DT_RPATH":
+                out["rpath"] += [p for p in tag.rpath.split(":") if p]
+            elif kind == "DT_RUNPATH":
+                out["runpath"] += [p for p in tag.runpath.split(":") if p]
+        return out
+
+
+def _reference_symbols(path: Path) -> list[tuple]:
+    with open(path, "rb") as fh:
+        elf = ELFFile(fh)
+        dynsym = elf.get_section_by_name(".dynsym")
+        if dynsym is None:
+            return []
+        versions: dict[int, str] = {}
+        versym = None
+        for sec in elf.iter_sections():
+            if sec["sh_type"] == "SHT_GNU_verdef":
+                for verdef, aux in sec.iter_versions():
+                    if not verdef["vd_flags"] & 1:
+                        versions[verdef["vd_ndx"]] = next(iter(aux)).name
+            elif sec["sh_type"] == "SHT_GNU_verneed":
+                for _verneed, aux in sec.iter_versions():
+                    for vernaux in aux:
+                        versions[vernaux["vna_other"]] = vernaux.name
+            elif sec["sh_type"] == "SHT_GNU_versym":
+                versym = sec
+        out = []
+        for index, sym in enumerate(dynsym.iter_symbols()):
+            if not sym["st_name"]:
+                continue
+            ndx = versym.get_symbol(index)["ndx"] if versym is not None else None
+            ndx = ndx if isinstance(ndx, int) else {"VER_NDX_LOCAL": 0, "VER_NDX_GLOBAL": 1}.get(ndx, 0)
+            out.append(
+                (
+                    sym.name,
+                    versions.get(ndx & 0x7FFF) if versym is not None else None,
+                    sym["st_info"]["bind"].removeprefix("STB_").replace("LOOS", "UNIQUE"),  # 10: STB_GNU_UNIQUE
+                    sym["st_shndx"] != "SHN_UNDEF",
+                    sym["st_other"]["visibility"].removeprefix("STV_"),
+                )
+            )
+        return out
+
+
+def _ours_symbols(path: Path) -> list[tuple]:
+    return [
+        (s.name, s.version, s.binding, s.defined, s.visibility) for s in elfscan._dynamic_symbols(elfscan._key(path))
+    ]
+
+
+def _files(built: dict[str, Path]) -> list[Path]:
+    return [*SYSTEM_FILES, *built.values()]
+
+
+@needs_gcc
+def test_the_sections_are_those_pyelftools_reads(built):
+    for path in _files(built):
+        with open(path, "rb") as fh:
+            theirs = [
+                (s.name, s["sh_offset"], s["sh_size"], s["sh_link"], s["sh_info"]) for s in ELFFile(fh).iter_sections()
+            ]
+        with elfread.open_elf(path) as elf:
+            ours = [(s.name, s.offset, s.size, s.link, s.info) for s in elf.sections]
+        assert ours == theirs, path
+
+
+@needs_gcc
+def test_the_dynamic_entries_are_those_pyelftools_reads(built):
+    for path in _files(built):
+        info = elfscan.dynamic_info(path)
+        ref = _reference_dynamic(path)
+        origin = str(path.parent)
+        assert list(info.needed) == ref["needed"], path
+        assert info.soname == ref["soname"], path
+        assert list(info.rpath) == [elfscan.expand_origin(p, origin) for p in ref["rpath"]], path
+        assert list(info.runpath) == [elfscan.expand_origin(p, origin) for p in ref["runpath"]], path
+    assert elfscan.soname(built["versions"]) == "libv.so.1"
+    assert elfscan.rpaths(built["rpath"]) == [str(built["rpath"].parent / "a"), "/opt/b"]
+
+
+@needs_gcc
+def test_the_dynamic_symbols_and_their_versions_are_those_pyelftools_reads(built):
+    for path in _files(built):
+        assert _ours_symbols(path) == _reference_symbols(path), path
+    exported = {s.name: s.version for s in elfscan.exported_symbols(built["versions"])}
+    assert exported["f"] == "V_1" and exported["g"] == "V_2"
+    wanted = {s.name: s for s in elfscan.undefined_symbols(built["rpath"])}
+    assert wanted["f"].version == "V_1" and wanted["w"].weak
+
+
+def _tiny_elf(elfclass: int, little: bool) -> bytes:
+    """A minimal shared object of either class and byte order (what gcc here cannot make): .shstrtab, .dynstr and
+    .dynamic with DT_NEEDED, DT_SONAME and DT_RUNPATH."""
+    e = "<" if little else ">"
+    wide = elfclass == 64
+    dynstr = b"\0liba.so\0libme.so.2\0$ORIGIN/x\0"
+    shstr = b"\0.shstrtab\0.dynstr\0.dynamic\0"
+    dyn_fmt = e + ("qQ" if wide else "iI")
+    dynamic = b"".join(struct.pack(dyn_fmt, t, v) for t, v in ((1, 1), (14, 9), (29, 20), (0, 0)))
+    ehsize, shentsize = (64, 64) if wide else (52, 40)
+    body = shstr + dynstr + dynamic
+    offsets = [ehsize, ehsize + len(shstr), ehsize + len(shstr) + len(dynstr)]
+    shoff = ehsize + len(body)
+    ident = b"\x7fELF" + bytes([2 if wide else 1, 1 if little else 2, 1, 0]) + b"\0" * 8
+    head_fmt = e + ("HHIQQQIHHHHHH" if wide else "HHIIIIIHHHHHH")
+    header = ident + struct.pack(head_fmt, 3, 62 if wide else 3, 1, 0, 0, shoff, 0, ehsize, 0, 0, shentsize, 4, 1)
+    sh_fmt = e + ("IIQQQQIIQQ" if wide else "IIIIIIIIII")
+    sections = [
+        struct.pack(sh_fmt, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
+        struct.pack(sh_fmt, 1, 3, 0, 0, offsets[0], len(shstr), 0, 0, 1, 0),
+        struct.pack(sh_fmt, 11, 3, 2, 0, offsets[1], len(dynstr), 0, 0, 1, 0),
+        struct.pack(sh_fmt, 19, 6, 3, 0, offsets[2], len(dynamic), 2, 0, 8, struct.calcsize(dyn_fmt)),
+    ]
+    return header + body + b"".join(sections)
+
+
+@pytest.mark.parametrize("elfclass,little", [(32, True), (32, False), (64, False)], ids=["32-le", "32-be", "64-be"])
+def test_other_classes_and_byte_orders_read_as_pyelftools_reads_them(tmp_path, elfclass, little):
+    path = tmp_path / "libme.so.2"
+    path.write_bytes(_tiny_elf(elfclass, little))
+    info = elfscan.dynamic_info(path)
+    assert (list(info.needed), info.soname, list(info.runpath)) == (["liba.so"], "libme.so.2", [str(tmp_path / "x")])
+    ref = _reference_dynamic(path)
+    assert (ref["needed"], ref["soname"], ref["runpath"]) == (["liba.so"], "libme.so.2", ["$ORIGIN/x"])
+
+
+@needs_gcc
+def test_without_section_headers_the_dynamic_segment_is_read(built, tmp_path):
+    data = bytearray(built["runpath"].read_bytes())
+    struct.pack_into("<Q", data, 0x28, 0)  # e_shoff
+    struct.pack_into("<HHH", data, 0x3A, 0, 0, 0)  # e_shentsize, e_shnum, e_shstrndx
+    stripped = tmp_path / "librunpath.so"
+    stripped.write_bytes(bytes(data))
+    assert elfscan.needed(stripped) == elfscan.needed(built["runpath"])
+    assert elfscan.rpaths(stripped) == [str(tmp_path / "c")]
+
+
+# ------------------------------------------------------------------------------------- hostile files
+
+
+def _section_header(data: bytes, name: str) -> int:
+    """Offset of the section header of `name` in a 64-bit little-endian file."""
+    shoff = struct.unpack_from("<Q", data, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    names_at = struct.unpack_from("<Q", data, shoff + shstrndx * shentsize + 0x18)[0]
+    for index in range(shnum):
+        at = shoff + index * shentsize
+        start = names_at + struct.unpack_from("<I", data, at)[0]
+        if data[start : data.index(b"\0", start)].decode() == name:
+            return at
+    raise AssertionError(name)
+
+
+def _lie(field: str):
+    def patch(data: bytearray) -> None:
+        if field == "truncated":
+            del data[40:]
+        elif field == "class":
+            data[4] = 3
+        elif field == "section table past the end":
+            struct.pack_into("<Q", data, 0x28, len(data) + 4096)
+        elif field == "section entries too small":
+            struct.pack_into("<H", data, 0x3A, 8)
+        elif field == "section count past the end":
+            struct.pack_into("<H", data, 0x3C, 0xFFFE)
+        elif field == "dynamic strings index out of range":
+            struct.pack_into("<I", data, _section_header(data, ".dynamic") + 0x28, 999)
+        elif field == "needed name outside its strings":
+            at = struct.unpack_from("<Q", data, _section_header(data, ".dynamic") + 0x18)[0]
+            while struct.unpack_from("<q", data, at)[0] != 1:  # the first DT_NEEDED
+                at += 16
+            struct.pack_into("<Q", data, at + 8, 1 << 40)
+        elif field == "dynamic section past the end":
+            struct.pack_into("<Q", data, _section_header(data, ".dynamic") + 0x20, 1 << 40)
+        elif field == "symbol table past the end":
+            struct.pack_into("<Q", data, _section_header(data, ".dynsym") + 0x18, len(data))
+        elif field == "version needs counted in billions":
+            struct.pack_into("<I", data, _section_header(data, ".gnu.version_r") + 0x2C, 0xFFFFFFFF)
+        elif field == "version need's entries outside it":
+            at = struct.unpack_from("<Q", data, _section_header(data, ".gnu.version_r") + 0x18)[0]
+            struct.pack_into("<I", data, at + 8, 1 << 30)  # vn_aux
+        elif field == "version definitions leave their section":
+            at = struct.unpack_from("<Q", data, _section_header(data, ".gnu.version_d") + 0x18)[0]
+            struct.pack_into("<I", data, at + 16, 1 << 30)  # vd_next
+        else:
+            raise AssertionError(field)
+
+    return patch
+
+
+HOSTILE = [
+    ("truncated", "rpath"),
+    ("class", "rpath"),
+    ("section table past the end", "rpath"),
+    ("section entries too small", "rpath"),
+    ("section count past the end", "rpath"),
+    ("dynamic strings index out of range", "rpath"),
+    ("needed name outside its strings", "rpath"),
+    ("dynamic section past the end", "rpath"),
+    ("symbol table past the end", "rpath"),
+    ("version needs counted in billions", "rpath"),
+    ("version need's entries outside it", "rpath"),
+    ("version definitions leave their section", "versions"),
+]
+
+
+@needs_gcc
+@pytest.mark.parametrize("lie,source", HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_a_file_whose_headers_lie_is_refused_as_not_elf(built, tmp_path, lie, source):
+    data = bytearray(built[source].read_bytes())
+    _lie(lie)(data)
+    path = tmp_path / f"lib{lie.replace(' ', '-')}.so"
+    path.write_bytes(bytes(data))
+    with pytest.raises(NotElfError):
+        elfscan.needed(path)
+        elfscan.undefined_symbols(path)
+        elfscan.exported_symbols(path)
+
+
+@needs_gcc
+def test_a_lying_file_is_refused_by_the_fatbin_reader_too(built, tmp_path):
+    data = bytearray(built["rpath"].read_bytes())
+    _lie("section table past the end")(data)
+    path = tmp_path / "libbad.so"
+    path.write_bytes(bytes(data))
+    with pytest.raises(NotElfError):
+        fatbin.entries(path)
