@@ -248,6 +248,11 @@ def _lie(field: str):
             struct.pack_into("<H", data, 0x3A, 8)
         elif field == "section count past the end":
             struct.pack_into("<H", data, 0x3C, 0xFFFE)
+        elif field == "extended section count past the end":
+            data += b"\0" * 64  # a new section 0 at the end, whose size field holds the count
+            struct.pack_into("<Q", data, len(data) - 64 + 0x20, 3_000_000_000)
+            struct.pack_into("<Q", data, 0x28, len(data) - 64)
+            struct.pack_into("<H", data, 0x3C, 0)
         elif field == "dynamic strings index out of range":
             struct.pack_into("<I", data, _section_header(data, ".dynamic") + 0x28, 999)
         elif field == "needed name outside its strings":
@@ -279,6 +284,7 @@ HOSTILE = [
     ("section table past the end", "rpath"),
     ("section entries too small", "rpath"),
     ("section count past the end", "rpath"),
+    ("extended section count past the end", "rpath"),
     ("dynamic strings index out of range", "rpath"),
     ("needed name outside its strings", "rpath"),
     ("dynamic section past the end", "rpath"),
@@ -310,3 +316,22 @@ def test_a_lying_file_is_refused_by_the_fatbin_reader_too(built, tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(NotElfError):
         fatbin.entries(path)
+
+
+@needs_gcc
+def test_a_section_count_no_real_file_has_is_refused_before_any_is_read(built, tmp_path):
+    """Two million section headers that do fit in the file (a sparse one, 256 MiB of holes): refused at once
+    instead of read into two million records."""
+    data = bytearray(built["rpath"].read_bytes())
+    count = (1 << 21) + 1
+    table = (len(data) + 63) // 64 * 64
+    struct.pack_into("<Q", data, 0x28, table)
+    struct.pack_into("<H", data, 0x3C, 0)  # extended numbering: the count is section 0's size
+    path = tmp_path / "libmany.so"
+    with open(path, "wb") as fh:
+        fh.write(bytes(data))
+        fh.truncate(table + 64 * count)
+        fh.seek(table + 0x20)
+        fh.write(struct.pack("<Q", count))
+    with pytest.raises(NotElfError, match="more than any real file has"):
+        elfscan.needed(path)

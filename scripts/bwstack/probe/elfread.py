@@ -27,6 +27,9 @@ PT_LOAD = 1
 PT_DYNAMIC = 2
 _SHN_XINDEX = 0xFFFF
 _PN_XNUM = 0xFFFF
+# Linked libraries have a few dozen sections; extended numbering (counts in section 0) allows 2**32, which a file
+# could claim to make the reader build millions of records. More than this is refused as corrupt.
+MAX_ENTRIES = 1 << 20
 
 # (header after e_ident, section header, program header, dynamic entry) per class
 _LAYOUT = {
@@ -120,6 +123,8 @@ class ElfFile:
         return struct.unpack(fmt, self._read(offset, struct.calcsize(fmt)))
 
     def _check_table(self, offset: int, entsize: int, count: int, minimum: int, what: str) -> None:
+        if count > MAX_ENTRIES:
+            raise CorruptElf(f"{count} {what}s: more than any real file has")
         if count and entsize < minimum:
             raise CorruptElf(f"{what} entries of {entsize} bytes, fewer than the {minimum} each needs")
         if offset + entsize * count > self.size:
