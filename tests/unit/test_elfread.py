@@ -9,6 +9,7 @@ exception, a hang or a read outside the file: the probe reads them as root.
 
 from __future__ import annotations
 
+import os
 import shutil
 import struct
 import subprocess
@@ -285,14 +286,50 @@ HOSTILE = [
     ("section entries too small", "rpath"),
     ("section count past the end", "rpath"),
     ("extended section count past the end", "rpath"),
-    ("dynamic strings index out of range", "rpath"),
     ("needed name outside its strings", "rpath"),
-    ("dynamic section past the end", "rpath"),
     ("symbol table past the end", "rpath"),
-    ("version needs counted in billions", "rpath"),
     ("version need's entries outside it", "rpath"),
     ("version definitions leave their section", "versions"),
 ]
+
+
+# Lies in what ld.so does not read (the .dynamic section header: it reads PT_DYNAMIC) or does not count by (a
+# version-need count: it follows the links to the last one): the file is read as the loader reads it.
+IGNORED = ["dynamic strings index out of range", "dynamic section past the end", "version needs counted in billions"]
+
+
+@needs_gcc
+@pytest.mark.parametrize("lie", IGNORED)
+def test_a_lie_the_loader_does_not_read_changes_nothing_read(built, tmp_path, lie):
+    data = bytearray(built["rpath"].read_bytes())
+    _lie(lie)(data)
+    path = tmp_path / f"lib{lie.replace(' ', '-')}.so"
+    path.write_bytes(bytes(data))
+    beside = shutil.copy(built["rpath"], tmp_path / "librpath.so")  # the same $ORIGIN
+    ours, original = elfscan.dynamic_info(path), elfscan.dynamic_info(beside)
+    assert (ours.needed, ours.soname, ours.rpath) == (original.needed, original.soname, original.rpath)
+    assert elfscan.undefined_symbols(path) == elfscan.undefined_symbols(beside)
+
+
+READERS = (
+    elfscan.needed,
+    elfscan.undefined_symbols,
+    elfscan.exported_symbols,
+    elfscan.cxx11_abi,
+    fatbin.entries,
+)
+
+
+def _outcomes(path: Path) -> dict[str, str]:
+    """What each reader the probe uses makes of `path`: "read" or "refused"; any other exception fails the test."""
+    out = {}
+    for reader in READERS:
+        try:
+            reader(path)
+            out[reader.__name__] = "read"
+        except (NotElfError, fatbin.FatbinError):
+            out[reader.__name__] = "refused"
+    return out
 
 
 @needs_gcc
@@ -302,10 +339,127 @@ def test_a_file_whose_headers_lie_is_refused_as_not_elf(built, tmp_path, lie, so
     _lie(lie)(data)
     path = tmp_path / f"lib{lie.replace(' ', '-')}.so"
     path.write_bytes(bytes(data))
-    with pytest.raises(NotElfError):
-        elfscan.needed(path)
-        elfscan.undefined_symbols(path)
+    outcomes = _outcomes(path)
+    assert "refused" in outcomes.values(), outcomes
+
+
+def _synthetic(path: Path, sections: list[dict], blobs: bytes, names: int = 0) -> Path:
+    """An ELF64 little-endian file: a header, `blobs`, then the section headers (section 0 null, then
+    `sections`: type, offset into blobs, size, link, info, name). No program headers: read through sections."""
+    shoff = 64 + len(blobs) + (-(64 + len(blobs)) % 8)
+    layout = "<4sBBBB8xHHIQQQIHHHHHH"
+    count = len(sections) + 1
+    header = struct.pack(layout, b"\x7fELF", 2, 1, 1, 0, 3, 62, 1, 0, 0, shoff, 0, 64, 0, 0, 64, count, names)
+    table = [struct.pack("<IIQQQQIIQQ", *([0] * 10))]
+    for sec in sections:
+        fields = (sec.get("name", 0), sec["type"], 0, 0, 64 + sec["offset"], sec["size"], sec.get("link", 0))
+        table.append(struct.pack("<IIQQQQIIQQ", *fields, sec.get("info", 0), 8, 0))
+    path.write_bytes((header + blobs).ljust(shoff, b"\0") + b"".join(table))
+    return path
+
+
+def _symbols(*name_offsets: int) -> bytes:
+    return struct.pack("<IBBHQQ", 0, 0, 0, 0, 0, 0) + b"".join(
+        struct.pack("<IBBHQQ", n, 0x12, 0, 1, 0, 0) for n in name_offsets
+    )
+
+
+def test_a_symbol_named_outside_its_strings_is_refused_by_every_symbol_reader(tmp_path):
+    strings = b"\0f\0".ljust(8, b"\0")
+    path = _synthetic(tmp_path / "libname.so", [
+        {"type": 3, "offset": 0, "size": 3},
+        {"type": elfread.SHT_DYNSYM, "offset": 8, "size": 48, "link": 1},
+    ], strings + _symbols(100))  # fmt: skip
+    assert _outcomes(path) | {"needed": "-", "entries": "-"} == {
+        "needed": "-", "undefined_symbols": "refused", "exported_symbols": "refused", "cxx11_abi": "refused",
+        "entries": "-",
+    }  # fmt: skip
+
+
+def test_names_read_at_thousands_of_offsets_of_one_long_string_are_refused_not_decoded(tmp_path):
+    """4,000 symbols, each named at another offset into one 1 MiB string: 4 GB to decode, from a 1 MB file."""
+    strings = b"\0" + b"A" * (1 << 20) + b"\0"
+    strings += b"\0" * (-len(strings) % 8)
+    table = _symbols(*range(1, 4001))
+    path = _synthetic(tmp_path / "libmany-names.so", [
+        {"type": 3, "offset": 0, "size": len(strings)},
+        {"type": elfread.SHT_DYNSYM, "offset": len(strings), "size": len(table), "link": 1},
+    ], strings + table)  # fmt: skip
+    with pytest.raises(NotElfError, match="strings are read far more often"):
         elfscan.exported_symbols(path)
+
+
+def _version_needs(entries: int, per_entry: int) -> bytes:
+    """`entries` version-need records whose `per_entry` auxiliary records are all the same chain (each record
+    16 bytes, none overlapping): entries x per_entry visits of a section that holds entries + per_entry."""
+    shared = 16 * entries
+    outer = b"".join(
+        struct.pack("<HHIII", 1, per_entry, 0, shared - 16 * i, 16 if i < entries - 1 else 0) for i in range(entries)
+    )
+    aux = b"".join(struct.pack("<IHHII", 0, 0, 2, 0, 16 if j < per_entry - 1 else 0) for j in range(per_entry))
+    return outer + aux
+
+
+def test_version_chains_that_share_their_entries_are_refused_before_the_work_multiplies(tmp_path):
+    needs = _version_needs(200, 200)
+    path = _synthetic(tmp_path / "libshared-chain.so", [
+        {"type": 3, "offset": 0, "size": 8},
+        {"type": elfread.SHT_DYNSYM, "offset": 8, "size": 48, "link": 1},
+        {"type": elfread.SHT_GNU_VERNEED, "offset": 56, "size": len(needs), "link": 1, "info": 200},
+    ], b"\0f\0".ljust(8, b"\0") + _symbols(1) + needs)  # fmt: skip
+    with pytest.raises(NotElfError, match="more version entries than"):
+        elfscan.undefined_symbols(path)
+
+
+def test_a_second_section_of_symbol_versions_is_refused(tmp_path):
+    path = _synthetic(tmp_path / "libtwo-versyms.so", [
+        {"type": 3, "offset": 0, "size": 8},
+        {"type": elfread.SHT_DYNSYM, "offset": 8, "size": 48, "link": 1},
+        {"type": elfread.SHT_GNU_VERSYM, "offset": 56, "size": 4},
+        {"type": elfread.SHT_GNU_VERSYM, "offset": 56, "size": 4},
+    ], b"\0f\0".ljust(8, b"\0") + _symbols(1) + b"\1\0\1\0")  # fmt: skip
+    with pytest.raises(NotElfError, match="where a file has one"):
+        elfscan.exported_symbols(path)
+
+
+def test_fatbin_sections_that_share_bytes_are_refused_not_read_again(tmp_path):
+    names = b"\0.nv_fatbin\0".ljust(16, b"\0")
+    entry = bytearray(0x40)
+    struct.pack_into("<HHIQ", entry, 0, 2, 0x101, 0x40, 0)
+    blob = struct.pack("<IHHQ", 0xBA55ED50, 1, 16, 0x40) + bytes(entry)
+    fat = {"name": 1, "type": 1, "offset": 16, "size": len(blob)}
+    one = _synthetic(tmp_path / "libone.so", [{"type": 3, "offset": 0, "size": 13}, fat], names + blob, names=1)
+    assert len(fatbin.entries(one)) == 1
+    two = _synthetic(tmp_path / "libtwo.so", [{"type": 3, "offset": 0, "size": 13}, fat, fat], names + blob, names=1)
+    with pytest.raises(fatbin.FatbinError, match="overlap"):
+        fatbin.entries(two)
+
+
+@needs_gcc
+def test_a_dynamic_section_that_says_less_than_the_loader_reads_hides_nothing(built, tmp_path):
+    """ld.so reads PT_DYNAMIC, not the section header: a .dynamic section of size 0 must not hide DT_NEEDED."""
+    data = bytearray(built["rpath"].read_bytes())
+    struct.pack_into("<Q", data, _section_header(data, ".dynamic") + 0x20, 0)
+    path = tmp_path / "librpath.so"
+    path.write_bytes(bytes(data))
+    assert elfscan.needed(path) == elfscan.needed(built["rpath"]) and "libv.so.1" in elfscan.needed(path)
+
+
+def test_a_fifo_named_like_a_library_is_refused_without_waiting_for_a_writer(tmp_path):
+    fifo = tmp_path / "libfifo.so"
+    os.mkfifo(fifo)
+    assert _outcomes(fifo) == dict.fromkeys((r.__name__ for r in READERS), "refused")
+
+
+@needs_gcc
+def test_a_file_cut_short_while_its_fatbin_is_read_is_an_error_not_a_crash(built, tmp_path):
+    path = tmp_path / "libshrinking.so"
+    shutil.copy(built["rpath"], path)
+    with open(path, "rb") as fh:
+        view = fatbin._Positioned(fh.fileno())
+        os.truncate(path, 100)
+        with pytest.raises(fatbin.FatbinError, match="ends before"):
+            view.read(view.size - 64, 64)
 
 
 @needs_gcc

@@ -10,6 +10,7 @@ replaces, built an object per section header on open: most of the probe's ELF sc
 from __future__ import annotations
 
 import os
+import stat
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -101,11 +102,12 @@ class ElfFile:
             self.segments = tuple(Segment(r[0], r[2], r[3], r[5]) for r in raw_segments)
         else:  # type, offset, vaddr, paddr, filesz, memsz, flags, align
             self.segments = tuple(Segment(r[0], r[1], r[2], r[4]) for r in raw_segments)
-        names = b""
+        names = Strings(b"")
         if 0 < shstrndx < len(raw_sections):
-            names = self._section_bytes(raw_sections[shstrndx])
+            names = Strings(self._section_bytes(raw_sections[shstrndx]))
         self.sections = tuple(
-            Section(i, _name(names, r[0]), r[1], r[3], r[4], r[5], r[6], r[7], r[9]) for i, r in enumerate(raw_sections)
+            Section(i, names.at(r[0], lenient=True), r[1], r[3], r[4], r[5], r[6], r[7], r[9])
+            for i, r in enumerate(raw_sections)
         )
 
     # -------------------------------------------------------------------------------------------- reading
@@ -149,30 +151,79 @@ class ElfFile:
     def first(self, sh_type: int) -> Section | None:
         return next((s for s in self.sections if s.type == sh_type), None)
 
+    def only(self, sh_type: int) -> Section | None:
+        """The section of a type a file has at most one of (the symbol versions); several are corrupt: read each,
+        a file could make the reader go over the same bytes thousands of times."""
+        found = [s for s in self.sections if s.type == sh_type]
+        if len(found) > 1:
+            raise CorruptElf(f"{len(found)} sections of type {sh_type:#x}, where a file has one")
+        return found[0] if found else None
+
     def data(self, section: Section) -> bytes:
         return b"" if section.type == SHT_NOBITS else self._read(section.offset, section.size)
 
-    def dynamic_entries(self) -> tuple[list[tuple[int, int]], bytes]:
-        """The dynamic section's (tag, value) entries up to DT_NULL and the string table its strings index;
-        from the PT_DYNAMIC segment (its DT_STRTAB address mapped through PT_LOAD) when there are no sections."""
-        section = self.first(SHT_DYNAMIC)
-        if section is not None:
-            raw, strtab = self.data(section), self.data(self.section(section.link))
-            return _until_null(struct.iter_unpack(self._dyn, _whole(raw, self._dyn))), strtab
+    def dynamic_entries(self) -> tuple[list[tuple[int, int]], Strings]:
+        """The dynamic table's (tag, value) entries up to DT_NULL and the strings they index, as ld.so reads them:
+        the PT_DYNAMIC segment and DT_STRTAB, at their addresses in the loaded segments. Only a file without
+        program headers (an object file) is read through its SHT_DYNAMIC section. Section headers are not what
+        the loader reads, so a section that says less (a size of 0) cannot hide an entry from the checks."""
         segment = next((s for s in self.segments if s.type == PT_DYNAMIC), None)
         if segment is None:
-            return [], b""
-        raw = self._read(segment.offset, segment.filesz)
+            section = self.first(SHT_DYNAMIC)
+            if section is None:
+                return [], Strings(b"")
+            raw, strtab = self.data(section), self.data(self.section(section.link))
+            return _until_null(struct.iter_unpack(self._dyn, _whole(raw, self._dyn))), Strings(strtab)
+        raw = self._loaded(segment.vaddr, segment.filesz, "PT_DYNAMIC")
         entries = _until_null(struct.iter_unpack(self._dyn, _whole(raw, self._dyn)))
         address = next((v for t, v in entries if t == 5), None)  # DT_STRTAB
         size = next((v for t, v in entries if t == 10), 0)  # DT_STRSZ
         if address is None:
-            return entries, b""
+            return entries, Strings(b"")
+        return entries, Strings(self._loaded(address, size, "DT_STRTAB"))
+
+    def _loaded(self, address: int, size: int, what: str) -> bytes:
+        """Up to `size` bytes at virtual `address`, from the file bytes of the PT_LOAD segment holding it."""
         for load in self.segments:
             end = load.vaddr + load.filesz
             if load.type == PT_LOAD and load.vaddr <= address < end:
-                return entries, self._read(load.offset + address - load.vaddr, min(size, end - address))
-        raise CorruptElf(f"DT_STRTAB address {address:#x} is in no loaded segment")
+                return self._read(load.offset + address - load.vaddr, min(size, end - address))
+        raise CorruptElf(f"{what} address {address:#x} is in no loaded segment")
+
+
+class Strings:
+    """A string table. Each offset is decoded once, and the bytes scanned in all stay within a budget a few
+    times the table's size: names that overlap (thousands of references into one long string, each at another
+    offset) cannot make the reader scan or hold more than that."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self._seen: dict[int, str] = {}
+        self._left = 8 * len(data) + (1 << 20)
+
+    def at(self, offset: int, lenient: bool = False) -> str:
+        """The NUL-terminated string at `offset`; one outside the table or unterminated is corrupt (`lenient`:
+        no name, or the rest of the table, as readelf shows section names)."""
+        hit = self._seen.get(offset)
+        if hit is not None:
+            return hit
+        if not 0 <= offset < len(self.data):
+            if lenient:
+                return ""
+            raise CorruptElf(f"string offset {offset} outside its table ({len(self.data)} bytes)")
+        end = self.data.find(b"\0", offset, offset + self._left + 1)
+        if end < 0:
+            if len(self.data) - offset > self._left:
+                raise CorruptElf("its strings are read far more often than a real file's")
+            if not lenient:
+                raise CorruptElf(f"string at offset {offset} is not terminated")
+            end = len(self.data)
+        self._left -= end - offset + 1
+        if self._left < 0:
+            raise CorruptElf("its strings are read far more often than a real file's")
+        text = self.data[offset:end].decode("utf-8", "replace")
+        self._seen[offset] = text
+        return text
 
 
 def _whole(raw: bytes, fmt: str) -> bytes:
@@ -190,29 +241,24 @@ def _until_null(rows: Iterator[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def _name(table: bytes, offset: int) -> str:
-    """A section's name; an offset outside the names table gives no name (as readelf prints it), not an error."""
-    if not 0 <= offset < len(table):
-        return ""
-    end = table.find(b"\0", offset)
-    return table[offset : end if end >= 0 else len(table)].decode("utf-8", "replace")
-
-
-def string_at(table: bytes, offset: int) -> str:
-    """The NUL-terminated string at `offset` of a string table; one outside it (or unterminated) is corrupt."""
-    if not 0 <= offset < len(table):
-        raise CorruptElf(f"string offset {offset} outside its table ({len(table)} bytes)")
-    end = table.find(b"\0", offset)
-    if end < 0:
-        raise CorruptElf(f"string at offset {offset} is not terminated")
-    return table[offset:end].decode("utf-8", "replace")
+def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
+    """`path` opened for reading if it is a regular file; CorruptElf for a FIFO, a device or a folder (opened
+    without blocking: a FIFO named like a library must not hang a root probe)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CorruptElf(f"{path}: not a regular file")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 @contextmanager
 def open_elf(path: str | os.PathLike[str]) -> Iterator[ElfFile]:
-    """The ElfFile of `path`; CorruptElf for a file that is not ELF or whose headers lie outside it (raised from
-    the body too, for what is read later)."""
-    with open(path, "rb") as stream:
+    """The ElfFile of `path`; CorruptElf for a file that is not a regular ELF file or whose headers lie outside
+    it (raised from the body too, for what is read later)."""
+    with open_regular(path) as stream:
         try:
             yield ElfFile(stream)
         except struct.error as exc:

@@ -38,8 +38,13 @@ class NotElfError(ValueError):
 
 
 def check_elf(path: str | os.PathLike[str]) -> None:
-    """Raise NotElfError unless ``path`` starts with the ELF magic (FileNotFoundError if it is absent)."""
-    with open(path, "rb") as fh:
+    """Raise NotElfError unless ``path`` is a regular file that starts with the ELF magic (FileNotFoundError if
+    it is absent; a FIFO or a device named like a library is not read)."""
+    try:
+        fh = elfread.open_regular(path)
+    except elfread.CorruptElf as exc:
+        raise NotElfError(str(exc)) from exc
+    with fh:
         head = fh.read(4)
     if head != ELF_MAGIC:
         raise NotElfError(f"{path}: not an ELF file (starts with {head!r})")
@@ -95,13 +100,13 @@ def _dynamic_info(key: tuple[str, int, int]) -> DynamicInfo:
         entries, strings = elf.dynamic_entries()
         for tag, value in entries:
             if tag == _DT_NEEDED:
-                needed.append(elfread.string_at(strings, value))
+                needed.append(strings.at(value))
             elif tag == _DT_SONAME:
-                soname = elfread.string_at(strings, value)
+                soname = strings.at(value)
             elif tag == _DT_RPATH:
-                rpath += [expand_origin(p, origin) for p in elfread.string_at(strings, value).split(":") if p]
+                rpath += [expand_origin(p, origin) for p in strings.at(value).split(":") if p]
             elif tag == _DT_RUNPATH:
-                runpath += [expand_origin(p, origin) for p in elfread.string_at(strings, value).split(":") if p]
+                runpath += [expand_origin(p, origin) for p in strings.at(value).split(":") if p]
     return DynamicInfo(path, soname, tuple(needed), tuple(rpath), tuple(runpath), ident)
 
 
@@ -154,35 +159,34 @@ _VISIBILITY = ("DEFAULT", "INTERNAL", "HIDDEN", "PROTECTED")
 @lru_cache(maxsize=32)
 def _dynamic_symbols(key: tuple[str, int, int]) -> tuple[Symbol, ...]:
     path = key[0]
-    with open_elf(path) as elf:
+    with open_elf(path) as elf:  # everything read inside: a corrupt table is NotElfError, whichever part lies
         dynsym = elf.first(elfread.SHT_DYNSYM)
         if dynsym is None:
             return ()
-        strtab = elf.data(elf.section(dynsym.link))
+        strings = elfread.Strings(elf.data(elf.section(dynsym.link)))
         endian = elf.endian
         if elf.elfclass == 64:  # name, info, other, shndx, value, size
             fmt = endian + "IBBHQQ"
-            rows = ((n, i, o, s) for n, i, o, s, _v, _z in struct.iter_unpack(fmt, _whole(elf.data(dynsym), fmt)))
+            rows = [(n, i, o, s) for n, i, o, s, _v, _z in struct.iter_unpack(fmt, _whole(elf.data(dynsym), fmt))]
         else:  # name, value, size, info, other, shndx
             fmt = endian + "IIIBBH"
-            rows = ((n, i, o, s) for n, _v, _z, i, o, s in struct.iter_unpack(fmt, _whole(elf.data(dynsym), fmt)))
-        versym, names = _versions(elf)
-    out: list[Symbol] = []
-    for index, (name_off, info, other, shndx) in enumerate(rows):
-        if not name_off:
-            continue
-        name = elfread.string_at(strtab, name_off)
-        version = names.get(versym[index] & 0x7FFF) if index < len(versym) else None
-        out.append(
-            Symbol(
-                name=name,
-                version=version,
-                binding=_BINDINGS.get(info >> 4, str(info >> 4)),
-                type=_TYPES.get(info & 0xF, str(info & 0xF)),
-                defined=shndx != 0,
-                visibility=_VISIBILITY[other & 3],
+            rows = [(n, i, o, s) for n, _v, _z, i, o, s in struct.iter_unpack(fmt, _whole(elf.data(dynsym), fmt))]
+        versym, names = _versions(elf, len(rows))
+        out: list[Symbol] = []
+        for index, (name_off, info, other, shndx) in enumerate(rows):
+            if not name_off:
+                continue
+            version = names.get(versym[index] & 0x7FFF) if index < len(versym) else None
+            out.append(
+                Symbol(
+                    name=strings.at(name_off),
+                    version=version,
+                    binding=_BINDINGS.get(info >> 4, str(info >> 4)),
+                    type=_TYPES.get(info & 0xF, str(info & 0xF)),
+                    defined=shndx != 0,
+                    visibility=_VISIBILITY[other & 3],
+                )
             )
-        )
     return tuple(out)
 
 
@@ -191,52 +195,66 @@ def _whole(raw: bytes, fmt: str) -> bytes:
     return raw[: len(raw) - len(raw) % size]
 
 
-def _versions(elf: elfread.ElfFile) -> tuple[tuple[int, ...], dict[int, str]]:
-    """The .gnu.version array and the index -> version-name map (defined and needed versions)."""
+def _versions(elf: elfread.ElfFile, symbols: int) -> tuple[tuple[int, ...], dict[int, str]]:
+    """The .gnu.version array (one entry per dynamic symbol; more would index nothing) and the index ->
+    version-name map (defined and needed versions)."""
     versym: tuple[int, ...] = ()
     names: dict[int, str] = {}
     endian = elf.endian
-    for sec in elf.sections:
-        if sec.type == elfread.SHT_GNU_VERSYM:
-            data = _whole(elf.data(sec), "H")
-            versym = struct.unpack(f"{endian}{len(data) // 2}H", data)
-        elif sec.type == elfread.SHT_GNU_VERDEF:
-            data, strings = elf.data(sec), elf.data(elf.section(sec.link))
-            for at in _chain(data, sec.info, endian + "HHHHIII", 6):
-                _version, flags, index, _count, _hash, aux, _next = struct.unpack_from(endian + "HHHHIII", data, at)
-                if not flags & 1:  # VER_FLG_BASE names the file itself, not a version
-                    (name, _) = struct.unpack_from(endian + "II", data, _inside(data, at + aux, 8))
-                    names[index] = elfread.string_at(strings, name)
-        elif sec.type == elfread.SHT_GNU_VERNEED:
-            data, strings = elf.data(sec), elf.data(elf.section(sec.link))
-            for at in _chain(data, sec.info, endian + "HHIII", 4):
-                _version, count, _file, aux, _next = struct.unpack_from(endian + "HHIII", data, at)
-                for entry in _chain(data, count, endian + "IHHII", 4, start=at + aux):
-                    _hash, _flags, other, name, _n = struct.unpack_from(endian + "IHHII", data, entry)
-                    names[other] = elfread.string_at(strings, name)
+    section = elf.only(elfread.SHT_GNU_VERSYM)
+    if section is not None:
+        data = _whole(elf.data(section)[: 2 * symbols], "H")
+        versym = struct.unpack(f"{endian}{len(data) // 2}H", data)
+    section = elf.only(elfread.SHT_GNU_VERDEF)
+    if section is not None:
+        walk = _VersionWalk(elf.data(section))
+        strings = elfread.Strings(elf.data(elf.section(section.link)))
+        for at in walk.chain(section.info, endian + "HHHHIII", 6):
+            _version, flags, index, _count, _hash, aux, _next = struct.unpack_from(endian + "HHHHIII", walk.data, at)
+            if not flags & 1:  # VER_FLG_BASE names the file itself, not a version
+                (name, _) = struct.unpack_from(endian + "II", walk.data, walk.inside(at + aux, 8))
+                names[index] = strings.at(name)
+    section = elf.only(elfread.SHT_GNU_VERNEED)
+    if section is not None:
+        walk = _VersionWalk(elf.data(section))
+        strings = elfread.Strings(elf.data(elf.section(section.link)))
+        for at in walk.chain(section.info, endian + "HHIII", 4):
+            _version, count, _file, aux, _next = struct.unpack_from(endian + "HHIII", walk.data, at)
+            for entry in walk.chain(count, endian + "IHHII", 4, start=at + aux):
+                _hash, _flags, other, name, _n = struct.unpack_from(endian + "IHHII", walk.data, entry)
+                names[other] = strings.at(name)
     return versym, names
 
 
-def _inside(data: bytes, at: int, size: int) -> int:
-    if not 0 <= at <= len(data) - size:
-        raise elfread.CorruptElf(f"a version entry at offset {at} lies outside its section ({len(data)} bytes)")
-    return at
+class _VersionWalk:
+    """The entries of one version section, visited through their `next` links. Entries never overlap in a real
+    file, so a link shorter than an entry, one that leaves the section, or more entries in all (every chain
+    together) than the section could hold side by side is corrupt: no count or link read from the file is
+    trusted, and chains that share entries cannot multiply the work."""
 
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self._left = len(data) // 8 + 1  # the smallest entry (a definition's name) is 8 bytes
 
-def _chain(data: bytes, count: int, fmt: str, next_field: int, start: int = 0) -> Iterator[int]:
-    """Offsets of up to `count` entries linked by their `next` field (a relative offset; 0 ends the chain). A
-    chain longer than the section could hold, or one that leaves it, is corrupt: no count read from the file is
-    trusted."""
-    size = struct.calcsize(fmt)
-    if count > len(data) // size + 1:
-        raise elfread.CorruptElf(f"{count} version entries cannot fit in {len(data)} bytes")
-    at = start
-    for _ in range(count):
-        yield _inside(data, at, size)
-        step = struct.unpack_from(fmt, data, at)[next_field]
-        if step == 0:
-            return
-        at += step
+    def inside(self, at: int, size: int) -> int:
+        if not 0 <= at <= len(self.data) - size:
+            raise elfread.CorruptElf(f"a version entry at offset {at} lies outside its {len(self.data)} bytes")
+        return at
+
+    def chain(self, count: int, fmt: str, next_field: int, start: int = 0) -> Iterator[int]:
+        size = struct.calcsize(fmt)
+        at = start
+        for _ in range(count):
+            self._left -= 1
+            if self._left < 0:
+                raise elfread.CorruptElf(f"more version entries than {len(self.data)} bytes hold")
+            yield self.inside(at, size)
+            step = struct.unpack_from(fmt, self.data, at)[next_field]
+            if step == 0:
+                return
+            if step < size:
+                raise elfread.CorruptElf(f"version entries overlap at offset {at}")
+            at += step
 
 
 def undefined_symbols(path: str | os.PathLike[str]) -> list[Symbol]:

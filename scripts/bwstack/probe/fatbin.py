@@ -1,6 +1,6 @@
 """Which GPU architectures a shared library carries kernels for, read from its CUDA fatbinary.
 
-Parses the ``.nv_fatbin`` ELF section (the headers only, through mmap) without cuobjdump. Standard library
+Parses the ``.nv_fatbin`` ELF section (the headers only, read where they lie) without cuobjdump. Standard library
 only: this module also runs on target hosts inside the verify probe.
 
 Layout (checked against nvcc 13.0 output and cuobjdump 13.5): the section holds 8-byte aligned containers,
@@ -18,7 +18,7 @@ so they are read and reported (``relocatable=True``) but never count as a kernel
 
 from __future__ import annotations
 
-import mmap
+import itertools
 import os
 import struct
 from collections import Counter
@@ -82,32 +82,51 @@ def entries(path: str | os.PathLike[str]) -> list[FatbinEntry]:
     Raises NotElfError for a file that is not (readable) ELF and FatbinError for a corrupt fatbin.
     """
     with open_elf(path) as elf:
-        regions = [  # .nv_fatbin (and __nv_relfatbin in -rdc objects); .nvFatBinSegment is not needed
+        regions = sorted(  # .nv_fatbin (and __nv_relfatbin in -rdc objects); .nvFatBinSegment is not needed
             (sec.offset, sec.size, sec.name == RELOCATABLE_SECTION)
             for sec in elf.sections
             if sec.name in _SECTIONS and sec.type != elfread.SHT_NOBITS and sec.size
-        ]
-        if not regions:
-            return []
-        with mmap.mmap(elf.stream.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            found: list[FatbinEntry] = []
-            container = 0
-            for start, size, relocatable in regions:
-                container = _parse_region(mm, start, size, container, found, relocatable)
-            return found
+        )
+        for (start, size, _), (after, _s, _r) in itertools.pairwise(regions):
+            if after < start + size:  # a real file's fatbin sections are apart; shared bytes would be read again
+                raise FatbinError(f"fatbin sections overlap at file offset {after:#x}")
+        view = _Positioned(elf.stream.fileno())
+        found: list[FatbinEntry] = []
+        container = 0
+        for start, size, relocatable in regions:
+            container = _parse_region(view, start, size, container, found, relocatable)
+        return found
+
+
+class _Positioned:
+    """The file's bytes read where asked (pread), not mapped: a file cut short while it is read gives a short
+    read, which is FatbinError, where a mapping would kill the process (SIGBUS)."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self.size = os.fstat(fd).st_size
+
+    def read(self, offset: int, size: int) -> bytes:
+        data = os.pread(self._fd, size, offset)
+        if len(data) != size:
+            raise FatbinError(f"the file ends before offset {offset + size:#x} (changed while read?)")
+        return data
+
+    def unpack(self, layout: struct.Struct, offset: int) -> tuple:
+        return layout.unpack(self.read(offset, layout.size))
 
 
 def _parse_region(
-    mm: mmap.mmap, start: int, size: int, container: int, out: list[FatbinEntry], relocatable: bool = False
+    view: _Positioned, start: int, size: int, container: int, out: list[FatbinEntry], relocatable: bool = False
 ) -> int:
     end = start + size
-    if end > len(mm):
+    if end > view.size:
         raise FatbinError(f"fatbin section at {start:#x} runs past the end of the file")
     pos = start
     while pos + _CONTAINER.size <= end:
-        magic, _version, header_size, payload = _CONTAINER.unpack_from(mm, pos)
+        magic, _version, header_size, payload = view.unpack(_CONTAINER, pos)
         if magic != CONTAINER_MAGIC:
-            if end - pos <= 4096 and not mm[pos:end].strip(b"\0"):  # zero padding at the section end
+            if end - pos <= 4096 and not view.read(pos, end - pos).strip(b"\0"):  # zero padding at the section end
                 break
             raise FatbinError(f"bad fatbin container magic {magic:#x} at file offset {pos:#x}")
         if header_size < _CONTAINER.size:
@@ -116,21 +135,22 @@ def _parse_region(
         body_end = body + payload
         if body_end > end:
             raise FatbinError(f"fatbin container at {pos:#x} claims {payload} bytes past the section end")
-        _parse_container(mm, body, body_end, container, out, relocatable)
+        _parse_container(view, body, body_end, container, out, relocatable)
         container += 1
         pos = (body_end + 7) & ~7
     return container
 
 
 def _parse_container(
-    mm: mmap.mmap, pos: int, end: int, container: int, out: list[FatbinEntry], relocatable: bool
+    view: _Positioned, pos: int, end: int, container: int, out: list[FatbinEntry], relocatable: bool
 ) -> None:
     while pos + 0x40 <= end:
-        kind, _version, header_size, size = _ENTRY.unpack_from(mm, pos)
+        header = view.read(pos, 0x40)
+        kind, _version, header_size, size = _ENTRY.unpack_from(header, 0)
         if kind not in (KIND_PTX, KIND_CUBIN) or header_size < 0x40 or pos + header_size + size > end:
             raise FatbinError(f"bad fatbin entry (kind {kind}, header {header_size}) at file offset {pos:#x}")
-        minor, major, arch = _ENTRY_VER_ARCH.unpack_from(mm, pos + 0x18)
-        flags = _U64.unpack_from(mm, pos + 0x28)[0]
+        minor, major, arch = _ENTRY_VER_ARCH.unpack_from(header, 0x18)
+        flags = _U64.unpack_from(header, 0x28)[0]
         suffix = "a" if flags & FLAG_ARCH_SPECIFIC else "f" if flags & FLAG_FAMILY else ""
         compression = "zstd" if flags & FLAG_ZSTD else "lz4" if flags & FLAG_LZ4 else None
         out.append(
