@@ -9,10 +9,12 @@ exception, a hang or a read outside the file: the probe reads them as root.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import struct
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -489,3 +491,22 @@ def test_a_section_count_no_real_file_has_is_refused_before_any_is_read(built, t
         fh.write(struct.pack("<Q", count))
     with pytest.raises(NotElfError, match="more than any real file has"):
         elfscan.needed(path)
+
+
+def test_the_probes_fatbin_facts_pass_over_fifos_named_like_its_files(tmp_path):
+    """A FIFO named like a cubin, a torch library and a JIT-cache library: the facts are read, nothing waits for a
+    writer (in a child with a time limit, so a regression fails instead of hanging the suite)."""
+    site = tmp_path / "site-packages"
+    for name in ("flashinfer_cubin/a.cubin", "torch/lib/libtorch_cuda.so", "flashinfer_jit_cache/libx.so"):
+        (site / name).parent.mkdir(parents=True, exist_ok=True)
+        os.mkfifo(site / name)
+    code = (
+        "import json, sys; from pathlib import Path; from bwstack.probe import main; "
+        "print(json.dumps(main.fatbin_facts(Path(sys.argv[1]), '12.0')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(site)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    facts = json.loads(done.stdout)
+    assert facts["flashinfer_cubin"] == {"cubins": 1, "archs": {"unknown": 1}}
+    assert facts["flashinfer_jit_cache"]["files"] == 0  # not a regular file: not a library
+    assert facts["torch"][0]["error"].endswith("not a regular file")

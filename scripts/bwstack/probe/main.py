@@ -22,7 +22,19 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bwstack.probe import elfscan, envinspect, fatbin, features, generation, interp, osrelease, schema, sealed, waivers
+from bwstack.probe import (
+    elfread,
+    elfscan,
+    envinspect,
+    fatbin,
+    features,
+    generation,
+    interp,
+    osrelease,
+    schema,
+    sealed,
+    waivers,
+)
 
 DRIVER_LIBS = {"libcuda.so.1", "libnvidia-ml.so.1"}
 TORCH_NEEDED = re.compile(r"^lib(torch|c10)")
@@ -302,9 +314,9 @@ def elf_facts(env: Path, sp: Path, torch_version: dict) -> dict:
 def _cubin_arch(path: Path) -> str | None:
     """sm_XY of a standalone cubin (ELF e_flags bits 8-15 hold the SM number)."""
     try:
-        with open(path, "rb") as handle:
+        with elfread.open_regular(path) as handle:  # a FIFO named *.cubin must not hang the probe
             head = handle.read(64)
-    except OSError:
+    except (OSError, elfread.CorruptElf):
         return None
     if head[:4] != b"\x7fELF" or len(head) < 52:
         return None
