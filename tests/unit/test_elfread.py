@@ -510,3 +510,47 @@ def test_the_probes_fatbin_facts_pass_over_fifos_named_like_its_files(tmp_path):
     assert facts["flashinfer_cubin"] == {"cubins": 1, "archs": {"unknown": 1}}
     assert facts["flashinfer_jit_cache"]["files"] == 0  # not a regular file: not a library
     assert facts["torch"][0]["error"].endswith("not a regular file")
+
+
+def _program_header(data: bytes, p_type: int) -> int:
+    """Offset of the first program header of `p_type` in a 64-bit little-endian file."""
+    phoff = struct.unpack_from("<Q", data, 0x20)[0]
+    phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
+    return next(
+        phoff + i * phentsize
+        for i in range(phnum)
+        if struct.unpack_from("<I", data, phoff + i * phentsize)[0] == p_type
+    )
+
+
+@needs_gcc
+def test_a_dynamic_segment_that_says_it_is_shorter_hides_nothing(built, tmp_path):
+    """ld.so walks the dynamic array to DT_NULL whatever PT_DYNAMIC's size says: one entry's worth of it must not
+    hide the others (DT_NEEDED libc.so.6, the RPATH)."""
+    data = bytearray(built["rpath"].read_bytes())
+    struct.pack_into("<Q", data, _program_header(data, elfread.PT_DYNAMIC) + 0x20, 16)  # p_filesz
+    path = tmp_path / "librpath.so"
+    path.write_bytes(bytes(data))
+    assert elfscan.needed(path) == elfscan.needed(built["rpath"])
+    assert elfscan.rpaths(path) == [str(tmp_path / "a"), "/opt/b"]
+
+
+@needs_gcc
+def test_the_last_rpath_entry_is_the_one_the_loader_uses(built, tmp_path):
+    """ld.so keeps one value per tag, the last: a second DT_RPATH (written into a spare DT_NULL slot) replaces
+    the first instead of adding to it."""
+    data = bytearray(built["rpath"].read_bytes())
+    at = struct.unpack_from("<Q", data, _section_header(data, ".dynamic") + 0x18)[0]
+    entries = []
+    while True:
+        tag, value = struct.unpack_from("<qQ", data, at + 16 * len(entries))
+        entries.append((tag, value))
+        if tag == 0:
+            break
+    rpath = next(value for tag, value in entries if tag == 15)
+    spare = at + 16 * (len(entries) - 1)
+    assert struct.unpack_from("<q", data, spare + 16)[0] == 0, "no spare DT_NULL slot after the array"
+    struct.pack_into("<qQ", data, spare, 15, rpath + len("$ORIGIN/a:"))
+    path = tmp_path / "librpath.so"
+    path.write_bytes(bytes(data))
+    assert elfscan.rpaths(path) == ["/opt/b"]

@@ -9,6 +9,7 @@ replaces, built an object per section header on open: most of the probe's ELF sc
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import struct
@@ -31,6 +32,8 @@ _PN_XNUM = 0xFFFF
 # Linked libraries have a few dozen sections; extended numbering (counts in section 0) allows 2**32, which a file
 # could claim to make the reader build millions of records. More than this is refused as corrupt.
 MAX_ENTRIES = 1 << 20
+PAGE = 4096  # the loader maps whole pages (x86-64, and the smallest page of the others)
+MAX_DYNAMIC = 1 << 20  # bytes of dynamic array read at most: tens of thousands of entries
 
 # (header after e_ident, section header, program header, dynamic entry) per class
 _LAYOUT = {
@@ -62,6 +65,7 @@ class Segment:
     offset: int
     vaddr: int
     filesz: int
+    memsz: int
 
 
 class ElfFile:
@@ -99,9 +103,9 @@ class ElfFile:
             self._check_table(phoff, phentsize, phnum, struct.calcsize(phdr), "program header")
             raw_segments = [self._table_row(phdr, phoff, phentsize, i) for i in range(phnum)]
         if self.elfclass == 64:  # type, flags, offset, vaddr, paddr, filesz, memsz, align
-            self.segments = tuple(Segment(r[0], r[2], r[3], r[5]) for r in raw_segments)
+            self.segments = tuple(Segment(r[0], r[2], r[3], r[5], r[6]) for r in raw_segments)
         else:  # type, offset, vaddr, paddr, filesz, memsz, flags, align
-            self.segments = tuple(Segment(r[0], r[1], r[2], r[4]) for r in raw_segments)
+            self.segments = tuple(Segment(r[0], r[1], r[2], r[4], r[5]) for r in raw_segments)
         names = Strings(b"")
         if 0 < shstrndx < len(raw_sections):
             names = Strings(self._section_bytes(raw_sections[shstrndx]))
@@ -164,30 +168,48 @@ class ElfFile:
 
     def dynamic_entries(self) -> tuple[list[tuple[int, int]], Strings]:
         """The dynamic table's (tag, value) entries up to DT_NULL and the strings they index, as ld.so reads them:
-        the PT_DYNAMIC segment and DT_STRTAB, at their addresses in the loaded segments. Only a file without
-        program headers (an object file) is read through its SHT_DYNAMIC section. Section headers are not what
-        the loader reads, so a section that says less (a size of 0) cannot hide an entry from the checks."""
-        segment = next((s for s in self.segments if s.type == PT_DYNAMIC), None)
-        if segment is None:
+        the last PT_DYNAMIC header, its array walked in the loaded image until DT_NULL (not cut at its own size),
+        and the last DT_STRTAB, through the loaded segments. Only a file without program headers (an object file)
+        is read through its SHT_DYNAMIC section. Section headers are not what the loader reads, so a header that
+        says less cannot hide an entry from the checks."""
+        dynamic = [s for s in self.segments if s.type == PT_DYNAMIC]
+        if not dynamic:
             section = self.first(SHT_DYNAMIC)
             if section is None:
                 return [], Strings(b"")
             raw, strtab = self.data(section), self.data(self.section(section.link))
             return _until_null(struct.iter_unpack(self._dyn, _whole(raw, self._dyn))), Strings(strtab)
-        raw = self._loaded(segment.vaddr, segment.filesz, "PT_DYNAMIC")
+        segment = dynamic[-1]  # ld.so keeps the last one it sees
+        if segment.filesz == 0:
+            raise CorruptElf("its PT_DYNAMIC is empty (the loader refuses it)")
+        raw = self.image(segment.vaddr, MAX_DYNAMIC, "PT_DYNAMIC")
         entries = _until_null(struct.iter_unpack(self._dyn, _whole(raw, self._dyn)))
-        address = next((v for t, v in entries if t == 5), None)  # DT_STRTAB
-        size = next((v for t, v in entries if t == 10), 0)  # DT_STRSZ
+        address = next((v for t, v in reversed(entries) if t == 5), None)  # DT_STRTAB: the last one counts
+        size = next((v for t, v in reversed(entries) if t == 10), 0)  # DT_STRSZ
         if address is None:
             return entries, Strings(b"")
-        return entries, Strings(self._loaded(address, size, "DT_STRTAB"))
+        return entries, Strings(self.image(address, size, "DT_STRTAB"))
 
-    def _loaded(self, address: int, size: int, what: str) -> bytes:
-        """Up to `size` bytes at virtual `address`, from the file bytes of the PT_LOAD segment holding it."""
-        for load in self.segments:
-            end = load.vaddr + load.filesz
-            if load.type == PT_LOAD and load.vaddr <= address < end:
-                return self._read(load.offset + address - load.vaddr, min(size, end - address))
+    def image(self, address: int, size: int, what: str) -> bytes:
+        """Up to `size` bytes at virtual `address` of the image ld.so maps: the last PT_LOAD covering the address
+        (a later mapping replaces an earlier one), whose file bytes run to the end of their last page unless the
+        segment has more memory than file there (then the loader zeroes the rest: read as zeros)."""
+        for load in reversed(self.segments):
+            if load.type != PT_LOAD:
+                continue
+            start = load.vaddr - load.vaddr % PAGE
+            end = load.vaddr + max(load.memsz, load.filesz)
+            end += -end % PAGE
+            if not start <= address < end:
+                continue
+            file_end = load.vaddr + load.filesz
+            if load.memsz <= load.filesz:
+                file_end += -file_end % PAGE  # the mapping's last page holds the file's next bytes
+            if address >= file_end:
+                return bytes(min(size, end - address, PAGE))  # zero-filled memory
+            offset = load.offset + address - load.vaddr
+            available = min(size, file_end - address, self.size - offset)
+            return self._read(offset, max(available, 0))
         raise CorruptElf(f"{what} address {address:#x} is in no loaded segment")
 
 
@@ -244,7 +266,14 @@ def _until_null(rows: Iterator[tuple[int, int]]) -> list[tuple[int, int]]:
 def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
     """`path` opened for reading if it is a regular file; CorruptElf for a FIFO, a device or a folder (opened
     without blocking: a FIFO named like a library must not hang a root probe)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # checked before opening: opening a device can act on it
+            raise CorruptElf(f"{path}: not a regular file")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            raise
+        raise CorruptElf(f"{path}: cannot be opened ({exc.strerror})") from exc
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise CorruptElf(f"{path}: not a regular file")

@@ -101,12 +101,12 @@ def _dynamic_info(key: tuple[str, int, int]) -> DynamicInfo:
         for tag, value in entries:
             if tag == _DT_NEEDED:
                 needed.append(strings.at(value))
-            elif tag == _DT_SONAME:
+            elif tag == _DT_SONAME:  # one value per tag to ld.so: the last entry of a tag counts
                 soname = strings.at(value)
             elif tag == _DT_RPATH:
-                rpath += [expand_origin(p, origin) for p in strings.at(value).split(":") if p]
+                rpath = [expand_origin(p, origin) for p in strings.at(value).split(":") if p]
             elif tag == _DT_RUNPATH:
-                runpath += [expand_origin(p, origin) for p in strings.at(value).split(":") if p]
+                runpath = [expand_origin(p, origin) for p in strings.at(value).split(":") if p]
     return DynamicInfo(path, soname, tuple(needed), tuple(rpath), tuple(runpath), ident)
 
 
