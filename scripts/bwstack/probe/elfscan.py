@@ -156,131 +156,22 @@ class Symbol:
 _VISIBILITY = ("DEFAULT", "INTERNAL", "HIDDEN", "PROTECTED")
 
 
-@dataclass(frozen=True)
-class _SymbolTables:
-    """Where a file's dynamic symbols, their names and their versions are: raw bytes, and the counts of the
-    version records (what the version sections' sh_info, or DT_VERDEFNUM / DT_VERNEEDNUM, say)."""
-
-    symbols: bytes
-    strings: elfread.Strings
-    versym: bytes
-    verdef: tuple[bytes, int, elfread.Strings] | None
-    verneed: tuple[bytes, int, elfread.Strings] | None
-
-
-_DT_HASH, _DT_SYMTAB = 4, 6
-_DT_GNU_HASH = 0x6FFFFEF5
-_DT_VERSYM, _DT_VERDEF, _DT_VERDEFNUM, _DT_VERNEED, _DT_VERNEEDNUM = (
-    0x6FFFFFF0,
-    0x6FFFFFFC,
-    0x6FFFFFFD,
-    0x6FFFFFFE,
-    0x6FFFFFFF,
-)
-_MAX_SYMBOLS = 1 << 24  # libtorch_cpu.so has about 160,000
-_VERSION_WINDOW = 1 << 20  # bytes of version records read at most from the image (their size is not recorded)
-
-
-def _loader_tables(elf: elfread.ElfFile, entry_size: int) -> _SymbolTables | None:
-    """The dynamic symbols as ld.so finds them: DT_SYMTAB, counted by the hash table (DT_GNU_HASH or DT_HASH),
-    DT_STRTAB, DT_VERSYM, DT_VERDEF and DT_VERNEED, all read through the loaded image. None for a file without
-    PT_DYNAMIC, DT_SYMTAB or a hash table (the section headers then say where the symbols are)."""
-    if not any(s.type == elfread.PT_DYNAMIC for s in elf.segments):
-        return None
-    entries, strings = elf.dynamic_entries()
-    tags = dict(entries)  # the last entry of a tag counts, as in ld.so
-    if _DT_SYMTAB not in tags:
-        return None
-    count = _symbol_count(elf, tags)
-    if count is None:
-        return None
-    symbols = elf.image(tags[_DT_SYMTAB], count * entry_size, "DT_SYMTAB")
-    if len(symbols) != count * entry_size:
-        raise elfread.CorruptElf(f"its {count} dynamic symbols run past the loaded image")
-    versym = elf.image(tags[_DT_VERSYM], 2 * count, "DT_VERSYM") if _DT_VERSYM in tags else b""
-
-    def records(address_tag: int, count_tag: int) -> tuple[bytes, int, elfread.Strings] | None:
-        if address_tag not in tags:
-            return None
-        return elf.image(tags[address_tag], _VERSION_WINDOW, "a version table"), tags.get(count_tag, 0), strings
-
-    return _SymbolTables(
-        symbols, strings, versym, records(_DT_VERDEF, _DT_VERDEFNUM), records(_DT_VERNEED, _DT_VERNEEDNUM)
-    )
-
-
-def _symbol_count(elf: elfread.ElfFile, tags: dict[int, int]) -> int | None:
-    """How many dynamic symbols the hash table says there are: DT_HASH's nchain, or one past the last symbol
-    DT_GNU_HASH's chains reach (ld.so has no other count)."""
-    endian = elf.endian
-    if _DT_GNU_HASH in tags:
-        base = tags[_DT_GNU_HASH]
-        buckets, first, bloom, _shift = struct.unpack(endian + "4I", _exact(elf, base, 16, "DT_GNU_HASH"))
-        if buckets > _MAX_SYMBOLS or bloom > _MAX_SYMBOLS or first > _MAX_SYMBOLS:
-            raise elfread.CorruptElf(f"a GNU hash table of {buckets} buckets and {bloom} filter words")
-        at = base + 16 + bloom * (8 if elf.elfclass == 64 else 4)
-        table = struct.unpack(f"{endian}{buckets}I", _exact(elf, at, 4 * buckets, "DT_GNU_HASH"))
-        last = max(table, default=0)
-        if last < first:
-            return first
-        chain = at + 4 * buckets + 4 * (last - first)
-        for index in range(last, _MAX_SYMBOLS):
-            (word,) = struct.unpack(endian + "I", _exact(elf, chain + 4 * (index - last), 4, "DT_GNU_HASH"))
-            if word & 1:  # the last symbol of its chain
-                return index + 1
-        raise elfread.CorruptElf("a GNU hash chain that does not end")
-    if _DT_HASH in tags:
-        _buckets, chains = struct.unpack(endian + "2I", _exact(elf, tags[_DT_HASH], 8, "DT_HASH"))
-        if chains > _MAX_SYMBOLS:
-            raise elfread.CorruptElf(f"a hash table of {chains} symbols")
-        return chains
-    return None
-
-
-def _exact(elf: elfread.ElfFile, address: int, size: int, what: str) -> bytes:
-    data = elf.image(address, size, what)
-    if len(data) != size:
-        raise elfread.CorruptElf(f"{what} runs past the loaded image")
-    return data
-
-
-def _section_tables(elf: elfread.ElfFile) -> _SymbolTables | None:
-    """The dynamic symbols where the section headers say they are (a file the loader's way does not describe)."""
-    dynsym = elf.first(elfread.SHT_DYNSYM)
-    if dynsym is None:
-        return None
-
-    def records(sh_type: int) -> tuple[bytes, int, elfread.Strings] | None:
-        section = elf.only(sh_type)
-        if section is None:
-            return None
-        return elf.data(section), section.info, elfread.Strings(elf.data(elf.section(section.link)))
-
-    versym = elf.only(elfread.SHT_GNU_VERSYM)
-    return _SymbolTables(
-        elf.data(dynsym),
-        elfread.Strings(elf.data(elf.section(dynsym.link))),
-        elf.data(versym) if versym is not None else b"",
-        records(elfread.SHT_GNU_VERDEF),
-        records(elfread.SHT_GNU_VERNEED),
-    )
-
-
 @lru_cache(maxsize=32)
 def _dynamic_symbols(key: tuple[str, int, int]) -> tuple[Symbol, ...]:
     path = key[0]
     with open_elf(path) as elf:  # everything read inside: a corrupt table is NotElfError, whichever part lies
-        endian = elf.endian
-        # (layout, where name, info, other and shndx are in it): 64-bit name, info, other, shndx, value, size;
-        # 32-bit name, value, size, info, other, shndx
-        fmt, (a, b, c, d) = (
-            (endian + "IBBHQQ", (0, 1, 2, 3)) if elf.elfclass == 64 else (endian + "IIIBBH", (0, 3, 4, 5))
-        )
-        tables = _loader_tables(elf, struct.calcsize(fmt)) or _section_tables(elf)
-        if tables is None:
+        dynsym = elf.first(elfread.SHT_DYNSYM)
+        if dynsym is None:
             return ()
-        rows = [(r[a], r[b], r[c], r[d]) for r in struct.iter_unpack(fmt, _whole(tables.symbols, fmt))]
-        versym, names = _versions(endian, tables, len(rows))
+        strings = elfread.Strings(elf.data(elf.section(dynsym.link)))
+        endian = elf.endian
+        if elf.elfclass == 64:  # name, info, other, shndx, value, size
+            fmt = endian + "IBBHQQ"
+            rows = [(n, i, o, s) for n, i, o, s, _v, _z in struct.iter_unpack(fmt, _whole(elf.data(dynsym), fmt))]
+        else:  # name, value, size, info, other, shndx
+            fmt = endian + "IIIBBH"
+            rows = [(n, i, o, s) for n, _v, _z, i, o, s in struct.iter_unpack(fmt, _whole(elf.data(dynsym), fmt))]
+        versym, names = _versions(elf, len(rows))
         out: list[Symbol] = []
         for index, (name_off, info, other, shndx) in enumerate(rows):
             if not name_off:
@@ -288,7 +179,7 @@ def _dynamic_symbols(key: tuple[str, int, int]) -> tuple[Symbol, ...]:
             version = names.get(versym[index] & 0x7FFF) if index < len(versym) else None
             out.append(
                 Symbol(
-                    name=tables.strings.at(name_off),
+                    name=strings.at(name_off),
                     version=version,
                     binding=_BINDINGS.get(info >> 4, str(info >> 4)),
                     type=_TYPES.get(info & 0xF, str(info & 0xF)),
@@ -304,24 +195,30 @@ def _whole(raw: bytes, fmt: str) -> bytes:
     return raw[: len(raw) - len(raw) % size]
 
 
-def _versions(endian: str, tables: _SymbolTables, symbols: int) -> tuple[tuple[int, ...], dict[int, str]]:
+def _versions(elf: elfread.ElfFile, symbols: int) -> tuple[tuple[int, ...], dict[int, str]]:
     """The .gnu.version array (one entry per dynamic symbol; more would index nothing) and the index ->
     version-name map (defined and needed versions)."""
+    versym: tuple[int, ...] = ()
     names: dict[int, str] = {}
-    data = _whole(tables.versym[: 2 * symbols], "H")
-    versym = struct.unpack(f"{endian}{len(data) // 2}H", data)
-    if tables.verdef is not None:
-        raw, count, strings = tables.verdef
-        walk = _VersionWalk(raw)
-        for at in walk.chain(count, endian + "HHHHIII", 6):
+    endian = elf.endian
+    section = elf.only(elfread.SHT_GNU_VERSYM)
+    if section is not None:
+        data = _whole(elf.data(section)[: 2 * symbols], "H")
+        versym = struct.unpack(f"{endian}{len(data) // 2}H", data)
+    section = elf.only(elfread.SHT_GNU_VERDEF)
+    if section is not None:
+        walk = _VersionWalk(elf.data(section))
+        strings = elfread.Strings(elf.data(elf.section(section.link)))
+        for at in walk.chain(section.info, endian + "HHHHIII", 6):
             _version, flags, index, _count, _hash, aux, _next = struct.unpack_from(endian + "HHHHIII", walk.data, at)
             if not flags & 1:  # VER_FLG_BASE names the file itself, not a version
                 (name, _) = struct.unpack_from(endian + "II", walk.data, walk.inside(at + aux, 8))
                 names[index] = strings.at(name)
-    if tables.verneed is not None:
-        raw, count, strings = tables.verneed
-        walk = _VersionWalk(raw)
-        for at in walk.chain(count, endian + "HHIII", 4):
+    section = elf.only(elfread.SHT_GNU_VERNEED)
+    if section is not None:
+        walk = _VersionWalk(elf.data(section))
+        strings = elfread.Strings(elf.data(elf.section(section.link)))
+        for at in walk.chain(section.info, endian + "HHIII", 4):
             _version, count, _file, aux, _next = struct.unpack_from(endian + "HHIII", walk.data, at)
             for entry in walk.chain(count, endian + "IHHII", 4, start=at + aux):
                 _hash, _flags, other, name, _n = struct.unpack_from(endian + "IHHII", walk.data, entry)
