@@ -178,12 +178,12 @@ class ElfFile:
             if section is None:
                 return [], Strings(b"")
             raw, strtab = self.data(section), self.data(self.section(section.link))
-            return _until_null(struct.iter_unpack(self._dyn, _whole(raw, self._dyn))), Strings(strtab)
+            return _until_null(struct.iter_unpack(self._dyn, whole_entries(raw, self._dyn))), Strings(strtab)
         segment = dynamic[-1]  # ld.so keeps the last one it sees
         if segment.filesz == 0:
             raise CorruptElf("its PT_DYNAMIC is empty (the loader refuses it)")
         raw = self.image(segment.vaddr, MAX_DYNAMIC, "PT_DYNAMIC")
-        entries = _until_null(struct.iter_unpack(self._dyn, _whole(raw, self._dyn)))
+        entries = _until_null(struct.iter_unpack(self._dyn, whole_entries(raw, self._dyn)))
         address = next((v for t, v in reversed(entries) if t == 5), None)  # DT_STRTAB: the last one counts
         size = next((v for t, v in reversed(entries) if t == 10), 0)  # DT_STRSZ
         if address is None:
@@ -248,7 +248,7 @@ class Strings:
         return text
 
 
-def _whole(raw: bytes, fmt: str) -> bytes:
+def whole_entries(raw: bytes, fmt: str) -> bytes:
     """`raw` cut to whole entries of `fmt` (a trailing partial entry is padding, never read as one)."""
     size = struct.calcsize(fmt)
     return raw[: len(raw) - len(raw) % size]

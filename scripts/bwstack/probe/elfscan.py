@@ -167,10 +167,12 @@ def _dynamic_symbols(key: tuple[str, int, int]) -> tuple[Symbol, ...]:
         endian = elf.endian
         if elf.elfclass == 64:  # name, info, other, shndx, value, size
             fmt = endian + "IBBHQQ"
-            rows = [(n, i, o, s) for n, i, o, s, _v, _z in struct.iter_unpack(fmt, _whole(elf.data(dynsym), fmt))]
+            table = struct.iter_unpack(fmt, elfread.whole_entries(elf.data(dynsym), fmt))
+            rows = [(n, i, o, s) for n, i, o, s, _v, _z in table]
         else:  # name, value, size, info, other, shndx
             fmt = endian + "IIIBBH"
-            rows = [(n, i, o, s) for n, _v, _z, i, o, s in struct.iter_unpack(fmt, _whole(elf.data(dynsym), fmt))]
+            table = struct.iter_unpack(fmt, elfread.whole_entries(elf.data(dynsym), fmt))
+            rows = [(n, i, o, s) for n, _v, _z, i, o, s in table]
         versym, names = _versions(elf, len(rows))
         out: list[Symbol] = []
         for index, (name_off, info, other, shndx) in enumerate(rows):
@@ -190,11 +192,6 @@ def _dynamic_symbols(key: tuple[str, int, int]) -> tuple[Symbol, ...]:
     return tuple(out)
 
 
-def _whole(raw: bytes, fmt: str) -> bytes:
-    size = struct.calcsize(fmt)
-    return raw[: len(raw) - len(raw) % size]
-
-
 def _versions(elf: elfread.ElfFile, symbols: int) -> tuple[tuple[int, ...], dict[int, str]]:
     """The .gnu.version array (one entry per dynamic symbol; more would index nothing) and the index ->
     version-name map (defined and needed versions)."""
@@ -203,7 +200,7 @@ def _versions(elf: elfread.ElfFile, symbols: int) -> tuple[tuple[int, ...], dict
     endian = elf.endian
     section = elf.only(elfread.SHT_GNU_VERSYM)
     if section is not None:
-        data = _whole(elf.data(section)[: 2 * symbols], "H")
+        data = elfread.whole_entries(elf.data(section)[: 2 * symbols], "H")
         versym = struct.unpack(f"{endian}{len(data) // 2}H", data)
     section = elf.only(elfread.SHT_GNU_VERDEF)
     if section is not None:
