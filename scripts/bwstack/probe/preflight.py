@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bwstack.probe import interp
 from bwstack.probe.hw.collect import collect
 from bwstack.probe.hw.judge import PREFLIGHT_REFUSES, Verdict, Want, driver_meets, judge_static, version_tuple
 from bwstack.probe.hw.machine import Machine
@@ -39,14 +40,8 @@ def requirements_of(profile) -> dict:  # profile: bwstack.lock.model.Profile (ke
 
 def runs_as(python: str, version: str) -> bool:
     """Whether `python` starts and is `version` (pyenv shims exist for versions that are not selected)."""
-    try:
-        out = subprocess.run(
-            [python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
-            capture_output=True, text=True, timeout=30, cwd="/",  # -c puts the working directory on sys.path
-        )  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return out.returncode == 0 and out.stdout.strip() == version
+    code, out, _err = interp.run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], timeout=30)
+    return code == 0 and out.strip() == version
 
 
 def find_python(version: str) -> str | None:

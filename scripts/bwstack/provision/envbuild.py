@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -86,13 +85,9 @@ def compile_bytecode(env_dir: Path) -> None:
     stops that). Sources that do not compile (templates, other Pythons' files) simply get none."""
     site = envinspect.site_packages(env_dir)
     cmd = [str(env_dir / "bin" / "python"), "-m", "compileall", "-q", "-q", "-j", "0", str(site)]
-    try:
-        # From "/": `-m` puts the working directory first on sys.path, and only root can write to "/".
-        result = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), timeout=3600, cwd="/")
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise BwstackError(f"compiling the bytecode of {env_dir} failed: {exc}") from None
-    if result.returncode not in (0, 1):  # 1: some file did not compile, which is not ours to fix
-        raise BwstackError(f"compiling the bytecode of {env_dir} failed: {result.stderr.strip()[-400:]}")
+    code, _out, err = interp.run(cmd, timeout=3600, env=clean_env())  # from "/", as every child of the probe
+    if code not in (0, 1):  # 1: some file did not compile, which is not ours to fix
+        raise BwstackError(f"compiling the bytecode of {env_dir} failed: {err.strip()[-400:]}")
 
 
 def drop_world_write(cache_dir: Path) -> None:
