@@ -193,11 +193,13 @@ def test_cli_help_lists_every_job():
         (["--only", "P5,x"], "'x': not a bench"),
         (["--only", ","], "names no bench"),
         (["--work", "/proc/bwstack-bench-test"], "--work /proc/bwstack-bench-test: cannot be created"),
+        (["--work", "/etc/os-release"], "--work /etc/os-release: not a directory"),
+        (["--work="], "--work is empty"),
     ],
-    ids=["unknown-bench", "one-unknown", "names-none", "scratch-not-creatable"],
+    ids=["unknown-bench", "one-unknown", "names-none", "scratch-not-creatable", "scratch-a-file", "scratch-empty"],
 )
 def test_bench_refuses_bad_input_before_measuring_anything(args, says, tmp_path):
-    work = [] if "--work" in args else ["--work", str(tmp_path / "work")]
+    work = [] if any(a.startswith("--work") for a in args) else ["--work", str(tmp_path / "work")]
     result = bwstack("bench", *work, *args)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.count("\n") == 1 and says in result.stderr

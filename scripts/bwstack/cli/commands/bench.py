@@ -25,20 +25,22 @@ def add_options(p: argparse.ArgumentParser) -> None:
     options.add_json(p)
 
 
-def _benches(value: str) -> str:
+def _benches(value: str) -> list[str]:
     names = [x.strip() for x in value.split(",") if x.strip()]
     if not names:
         raise argparse.ArgumentTypeError(f"{value!r} names no bench ({', '.join(BENCHES)})")
     unknown = [x for x in names if x.upper() not in BENCHES]
     if unknown:
         raise argparse.ArgumentTypeError(f"{', '.join(map(repr, unknown))}: not a bench ({', '.join(BENCHES)})")
-    return value
+    return [x.upper() for x in names]
 
 
 def _scratch(work: str) -> None:
     """The scratch directory can be made and written, before any bench spends minutes."""
     try:
         Path(work).mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UsageError(f"--work {work}: not a directory") from None
     except OSError as exc:
         raise UsageError(f"--work {work}: cannot be created ({exc.strerror or exc})") from None
     if not os.access(work, os.W_OK | os.X_OK):
@@ -52,8 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console.of(args)
     _scratch(args.work)
-    only = [x.strip().upper() for x in args.only.split(",") if x.strip()] if args.only else None
-    figures = bench.run(args.lock, args.profile, args.work, args.runs, args.quick, only, log=console.note)
+    figures = bench.run(args.lock, args.profile, args.work, args.runs, args.quick, args.only, log=console.note)
 
     def text() -> str:
         header = (
