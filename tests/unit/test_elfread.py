@@ -176,36 +176,17 @@ def test_the_dynamic_symbols_and_their_versions_are_those_pyelftools_reads(built
     assert wanted["f"].version == "V_1" and wanted["w"].weak
 
 
-def _tiny_elf(elfclass: int, little: bool) -> bytes:
-    """A minimal shared object of either class and byte order (what gcc here cannot make): .shstrtab, .dynstr and
-    .dynamic with DT_NEEDED, DT_SONAME and DT_RUNPATH."""
-    e = "<" if little else ">"
-    wide = elfclass == 64
-    dynstr = b"\0liba.so\0libme.so.2\0$ORIGIN/x\0"
-    shstr = b"\0.shstrtab\0.dynstr\0.dynamic\0"
-    dyn_fmt = e + ("qQ" if wide else "iI")
-    dynamic = b"".join(struct.pack(dyn_fmt, t, v) for t, v in ((1, 1), (14, 9), (29, 20), (0, 0)))
-    ehsize, shentsize = (64, 64) if wide else (52, 40)
-    body = shstr + dynstr + dynamic
-    offsets = [ehsize, ehsize + len(shstr), ehsize + len(shstr) + len(dynstr)]
-    shoff = ehsize + len(body)
-    ident = b"\x7fELF" + bytes([2 if wide else 1, 1 if little else 2, 1, 0]) + b"\0" * 8
-    head_fmt = e + ("HHIQQQIHHHHHH" if wide else "HHIIIIIHHHHHH")
-    header = ident + struct.pack(head_fmt, 3, 62 if wide else 3, 1, 0, 0, shoff, 0, ehsize, 0, 0, shentsize, 4, 1)
-    sh_fmt = e + ("IIQQQQIIQQ" if wide else "IIIIIIIIII")
-    sections = [
-        struct.pack(sh_fmt, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
-        struct.pack(sh_fmt, 1, 3, 0, 0, offsets[0], len(shstr), 0, 0, 1, 0),
-        struct.pack(sh_fmt, 11, 3, 2, 0, offsets[1], len(dynstr), 0, 0, 1, 0),
-        struct.pack(sh_fmt, 19, 6, 3, 0, offsets[2], len(dynamic), 2, 0, 8, struct.calcsize(dyn_fmt)),
-    ]
-    return header + body + b"".join(sections)
-
-
 @pytest.mark.parametrize("elfclass,little", [(32, True), (32, False), (64, False)], ids=["32-le", "32-be", "64-be"])
 def test_other_classes_and_byte_orders_read_as_pyelftools_reads_them(tmp_path, elfclass, little):
-    path = tmp_path / "libme.so.2"
-    path.write_bytes(_tiny_elf(elfclass, little))
+    # What gcc here cannot make: .shstrtab, .dynstr and .dynamic with DT_NEEDED, DT_SONAME and DT_RUNPATH.
+    e, dyn_fmt = ("<" if little else ">"), ("qQ" if elfclass == 64 else "iI")
+    names, strings = b"\0.shstrtab\0.dynstr\0.dynamic\0", b"\0liba.so\0libme.so.2\0$ORIGIN/x\0"
+    dynamic = b"".join(struct.pack(e + dyn_fmt, t, v) for t, v in ((1, 1), (14, 9), (29, 20), (0, 0)))
+    path = _synthetic(tmp_path / "libme.so.2", [
+        {"name": 1, "type": 3, "offset": 0, "size": len(names)},
+        {"name": 11, "type": 3, "offset": len(names), "size": len(strings)},
+        {"name": 19, "type": 6, "offset": len(names + strings), "size": len(dynamic), "link": 2},
+    ], names + strings + dynamic, names=1, elfclass=elfclass, little=little)  # fmt: skip
     info = elfscan.dynamic_info(path)
     assert (list(info.needed), info.soname, list(info.runpath)) == (["liba.so"], "libme.so.2", [str(tmp_path / "x")])
     ref = _reference_dynamic(path)
@@ -345,17 +326,24 @@ def test_a_file_whose_headers_lie_is_refused_as_not_elf(built, tmp_path, lie, so
     assert "refused" in outcomes.values(), outcomes
 
 
-def _synthetic(path: Path, sections: list[dict], blobs: bytes, names: int = 0) -> Path:
-    """An ELF64 little-endian file: a header, `blobs`, then the section headers (section 0 null, then
-    `sections`: type, offset into blobs, size, link, info, name). No program headers: read through sections."""
-    shoff = 64 + len(blobs) + (-(64 + len(blobs)) % 8)
-    layout = "<4sBBBB8xHHIQQQIHHHHHH"
+def _synthetic(
+    path: Path, sections: list[dict], blobs: bytes, names: int = 0, elfclass: int = 64, little: bool = True
+) -> Path:
+    """An ELF file (64-bit little-endian unless asked): a header, `blobs`, then the section headers (section 0
+    null, then `sections`: type, offset into blobs, size, link, info, name). No program headers: read through
+    sections."""
+    e, wide = ("<" if little else ">"), elfclass == 64
+    ehsize, shentsize = (64, 64) if wide else (52, 40)
+    shoff = ehsize + len(blobs) + (-(ehsize + len(blobs)) % 8)
+    ident = b"\x7fELF" + bytes([2 if wide else 1, 1 if little else 2, 1, 0]) + b"\0" * 8
+    layout = e + ("HHIQQQIHHHHHH" if wide else "HHIIIIIHHHHHH")
     count = len(sections) + 1
-    header = struct.pack(layout, b"\x7fELF", 2, 1, 1, 0, 3, 62, 1, 0, 0, shoff, 0, 64, 0, 0, 64, count, names)
-    table = [struct.pack("<IIQQQQIIQQ", *([0] * 10))]
+    header = ident + struct.pack(layout, 3, 62 if wide else 3, 1, 0, 0, shoff, 0, ehsize, 0, 0, shentsize, count, names)
+    sh_fmt = e + ("IIQQQQIIQQ" if wide else "IIIIIIIIII")
+    table = [struct.pack(sh_fmt, *([0] * 10))]
     for sec in sections:
-        fields = (sec.get("name", 0), sec["type"], 0, 0, 64 + sec["offset"], sec["size"], sec.get("link", 0))
-        table.append(struct.pack("<IIQQQQIIQQ", *fields, sec.get("info", 0), 8, 0))
+        fields = (sec.get("name", 0), sec["type"], 0, 0, ehsize + sec["offset"], sec["size"], sec.get("link", 0))
+        table.append(struct.pack(sh_fmt, *fields, sec.get("info", 0), 8, 0))
     path.write_bytes((header + blobs).ljust(shoff, b"\0") + b"".join(table))
     return path
 
