@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from bwstack.checks.session import session_lock
 from bwstack.checks.verify import HostUnavailable
 from bwstack.fleet import probe_bundle
-from bwstack.lock.model import Lock, Profile, default_lock_path, load_lock
+from bwstack.lock.model import Lock, Profile
 from bwstack.probe import schema, waivers
 from bwstack.probe.generation import GenerationFacts
 from bwstack.serveplan import assemble
@@ -91,7 +92,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def lock(request: pytest.FixtureRequest) -> Lock:
-    return load_lock(request.config.getoption("--stack-lock") or default_lock_path())
+    return session_lock(request.config)
 
 
 def _run(host, command: str, expect_ok: bool = True):

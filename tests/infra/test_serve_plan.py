@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from bwstack.lock.model import default_lock_path, load_lock
+from bwstack.checks.session import session_lock
 from bwstack.serveplan import catalogue, check
 
 
 def _models(config: pytest.Config) -> list:
-    lock = load_lock(config.getoption("--stack-lock") or default_lock_path())
-    return list(lock.profile(config.getoption("--stack-profile")).expect.models)
+    return list(session_lock(config).profile(config.getoption("--stack-profile")).expect.models)
 
 
 def _labels(models: list) -> list[str]:
