@@ -137,3 +137,108 @@ def test_an_ask_the_probe_did_not_plan_exactly_is_planned_on_the_node(change):
 def test_an_observation_that_failed_answers_nothing():
     run = recorded("gpt-oss-20b-tp8-sm120")["runs"][0]
     assert assemble.already_planned({**run, "error": "the env's interpreter exited 1"}, run["requests"][:1]) is None
+
+
+# A fix search's answer on a generation as sealed is kept with the verify job's recorded plan: the next verify
+# of the unchanged generation reuses that plan and its fix search finds the answer there, without starting the
+# probe again (a verify recorded at build time, before any fix search asked, would otherwise ask every time).
+
+
+def _split(run: dict, *indices: int) -> dict:
+    """The recorded run as if only the requests at `indices` had been planned in it."""
+    found = run["inenv"]["observations"]
+    return {
+        **run,
+        "requests": [run["requests"][i] for i in indices],
+        "inenv": {**run["inenv"], "observations": [found[i] for i in indices]},
+    }
+
+
+def test_a_fix_search_answer_is_folded_into_the_recorded_plan_of_its_job():
+    run = recorded("gpt-oss-20b-tp8-sm120")["runs"][0]
+    folded = node.fold_into(_split(run, 0), _split(run, 2))
+    assert folded is not None
+    answered = assemble.already_planned(folded, [run["requests"][2]])
+    assert answered is not None
+    assert assemble.plan_for(answered, 0, catalogue.load()) == assemble.plan_for(run, 2, catalogue.load())
+    assert assemble.already_planned(folded, [run["requests"][0]]) is not None  # the job's own plan is kept
+
+
+def test_a_request_the_recorded_plan_holds_is_not_folded_twice():
+    run = recorded("gpt-oss-20b-tp8-sm120")["runs"][0]
+    folded = node.fold_into(_split(run, 0, 2), _split(run, 2))
+    assert folded is not None and len(folded["requests"]) == len(folded["inenv"]["observations"]) == 2
+
+
+def _other(run: dict, where: str, value: object) -> dict:
+    if where.startswith("inenv."):
+        return {**run, "inenv": {**run["inenv"], where.split(".", 1)[1]: value}}
+    return {**run, where: value}
+
+
+@pytest.mark.parametrize(
+    ("side", "where", "value"),
+    [
+        ("answer", "error", "the env's interpreter exited -11 without a result"),
+        ("recorded", "error", "the env's interpreter exited 1"),
+        ("answer", "inenv.error", "sglang failed to import"),
+        ("answer", "device", {**DEVICE, "count": 4}),
+        ("answer", "kernels", {}),
+        ("answer", "features", {}),
+        ("answer", "inenv.versions", {"sglang": "0.5.8"}),
+        ("answer", "inenv.sglang_device_view", {}),
+        ("answer", "inenv.observations", []),
+        ("recorded", "inenv", "not a mapping"),
+    ],
+    ids=[
+        "answer-failed",
+        "recorded-failed",
+        "answer-interpreter-failed",
+        "other-device",
+        "other-kernel-facts",
+        "other-feature-facts",
+        "other-sglang",
+        "other-device-view",
+        "observations-missing",
+        "recorded-damaged",
+    ],
+)
+def test_an_answer_that_is_not_the_same_observation_is_not_folded(side, where, value):
+    run = recorded("gpt-oss-20b-tp8-sm120")["runs"][0]
+    recorded_plan, answer = _split(run, 0), _split(run, 2)
+    if side == "answer":
+        answer = _other(answer, where, value)
+    else:
+        recorded_plan = _other(recorded_plan, where, value)
+    assert node.fold_into(recorded_plan, answer) is None
+
+
+def test_no_recorded_plan_takes_no_fold():
+    run = recorded("gpt-oss-20b-tp8-sm120")["runs"][0]
+    assert node.fold_into(None, _split(run, 2)) is None
+
+
+def test_a_fold_stops_at_the_hints_kept(monkeypatch):
+    run = recorded("gpt-oss-20b-tp8-sm120")["runs"][0]
+    monkeypatch.setattr(node, "HINTS_KEPT", 1)
+    assert node.fold_into(_split(run, 0), _split(run, 1)) is not None
+    assert node.fold_into(_split(run, 0), _split(run, 1, 2)) is None
+
+
+@needs_py312
+def test_the_fix_search_probe_on_an_unchanged_generation_folds_its_answer_into_the_jobs_plan(built, capsys):
+    run = recorded("gpt-oss-20b-tp8-sm120")["runs"][0]
+    env = built.ml_env
+    verify_job = {"device": DEVICE, "requests": [run["requests"][0]]}
+    gpu, cuda, basis = [], {"home": "/usr/local/cuda-12.8"}, sealed.basis(env)
+    job_key = node.plan_key(env, verify_job, gpu, cuda)
+    sealed.save_derived(env, job_key, _split(run, 0))  # what the verify's probe recorded
+    ask = {"device": run["device"], "requests": [run["requests"][2]]}
+    # The answer as an earlier identical ask recorded it: the probe takes it from the cache, SGLang does not start.
+    sealed.save_derived(env, sealed.derived_key(None, "serve-plan-job", ask, gpu, cuda, base=basis), _split(run, 2))
+    reuse = {"basis": basis, "gpu": gpu, "cuda": cuda}
+    assert node.main(["--env", str(env), json.dumps({**ask, "hint_for": verify_job, "reuse": reuse})]) == 0
+    assert json.loads(capsys.readouterr().out)["requests"] == [run["requests"][2]]
+    kept = sealed.load_derived(env, job_key)
+    assert assemble.already_planned(kept, [run["requests"][2]]) is not None
+    assert assemble.already_planned(kept, [run["requests"][0]]) is not None

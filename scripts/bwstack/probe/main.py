@@ -583,7 +583,7 @@ def collect(
             if serve_plan and serve_plan.get("requests"):
                 from bwstack.probe.serveplan import node
 
-                plan_key = sealed.derived_key(env, "serve-plan", serve_plan, gpu_key, facts["cuda"]) if static else None
+                plan_key = node.plan_key(env, serve_plan, gpu_key, facts["cuda"]) if static else None
                 facts["serve_plan"] = sealed.load_derived(env, plan_key)
                 if facts["serve_plan"] is None:
                     device = node.resolve_device(serve_plan["device"], env)

@@ -499,6 +499,47 @@ def observe_job(
     return observe(env, device, requests, cuda=cuda, stand_in=stand_in)
 
 
+def plan_key(env: Path | None, job: dict, gpu: object, cuda: object, base: list | None = None) -> str | None:
+    """Where the store's verify cache keeps a verify probe's plan of `job` (its own requests and the hints beside
+    them) on this generation, host, GPUs and CUDA toolkit."""
+    return sealed.derived_key(env, "serve-plan", job, gpu, cuda, base=base)
+
+
+def _beside_observations(inenv: dict) -> dict:
+    return {k: v for k, v in inenv.items() if k != "observations"}
+
+
+def fold_into(recorded: object, answer: dict) -> dict | None:
+    """The recorded plan of a job with a fix search's answer on the same generation added to it (requests and
+    observations it does not hold yet), so that the next verify's fix search finds them there and asks nothing.
+    None when the two cannot be one observation: either failed, or they differ in anything but the requests
+    (device, kernel and feature facts, SGLang's versions and view of the device), or there would be more than
+    HINTS_KEPT requests beyond the job's own."""
+    if not isinstance(recorded, dict) or not isinstance(answer, dict) or recorded.get("error") or answer.get("error"):
+        return None
+    inenv, more = recorded.get("inenv"), answer.get("inenv")
+    if not isinstance(inenv, dict) or not isinstance(more, dict) or inenv.get("error") or more.get("error"):
+        return None
+    outer = ("schema", "device", "kernels", "features")
+    if any(recorded.get(k) != answer.get(k) for k in outer):
+        return None
+    if _beside_observations(inenv) != _beside_observations(more):
+        return None
+    requests, found = list(recorded.get("requests") or []), list(inenv.get("observations") or [])
+    new_requests, new_found = list(answer.get("requests") or []), list(more.get("observations") or [])
+    if len(requests) != len(found) or len(new_requests) != len(new_found):
+        return None
+    held = [_without_id(r) for r in requests if isinstance(r, dict)]
+    for request, observed in zip(new_requests, new_found, strict=True):
+        if isinstance(request, dict) and _without_id(request) not in held:
+            held.append(_without_id(request))
+            requests.append(request)
+            found.append(observed)
+    if len(requests) > len(recorded.get("requests") or []) + HINTS_KEPT:
+        return None
+    return {**recorded, "requests": requests, "inenv": {**inenv, "observations": found}}
+
+
 def remember_asked(env: Path, job: dict, requests: list[dict]) -> None:
     """Remember the requests a fix search asked for after `job` (best effort, the store's owner only)."""
     key = _asked_key(env, job)
@@ -573,18 +614,25 @@ def main(argv: list[str]) -> int:
     # skip the walk; run alone, the generation is checked here.
     reuse = job.pop("reuse", None) or {}
     asked_after = job.pop("hint_for", None)  # the verify job whose fix search this is
-    key, cuda = None, reuse.get("cuda")
+    key, cuda, gpu, base = None, reuse.get("cuda"), reuse.get("gpu"), None
     if sealed.basis_still_holds(env, reuse.get("basis")) and cuda is not None:
-        key = sealed.derived_key(None, "serve-plan-job", job, reuse.get("gpu"), cuda, base=reuse["basis"])
+        base = reuse["basis"]
+        key = sealed.derived_key(None, "serve-plan-job", job, gpu, cuda, base=base)
     elif sealed.unchanged_generation(env) is None:
         cuda = probe.cuda_facts(env, str(job["device"].get("capability", "")))
-        key = sealed.derived_key(env, "serve-plan-job", job, probe._gpu_key(probe.gpu_facts()), cuda)
+        gpu = probe._gpu_key(probe.gpu_facts())
+        key = sealed.derived_key(env, "serve-plan-job", job, gpu, cuda)
     result = sealed.load_derived(env, key)
     if result is None:
         result = observe(env, resolve_device(job["device"], env), job["requests"], cuda=cuda).as_dict()
         sealed.save_derived(env, key, result)
     if isinstance(asked_after, dict):
         remember_asked(env, asked_after, job["requests"])
+        if key is not None:  # the generation is as sealed: the answer holds for the verify job's plan too
+            job_key = plan_key(None if base is not None else env, asked_after, gpu, cuda, base=base)
+            folded = fold_into(sealed.load_derived(env, job_key), result)
+            if folded is not None:
+                sealed.save_derived(env, job_key, folded)
     sys.stdout.write(json.dumps(result, default=str) + "\n")
     return 0
 
