@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 
-from bwstack.probe.treecheck import sha256_file
+import pytest
+
+from bwstack.probe.treecheck import sha256_file, valid_row
 from bwstack.store import manifest
 
 
@@ -62,3 +64,42 @@ def test_bytecode_is_part_of_a_manifest_and_bytecode_added_later_is_reported(tmp
     (root / "__pycache__" / "n.cpython-312.pyc").write_bytes(b"\0")
     problems = manifest.verify(root, entries, "quick")
     assert [(p.path, "not in the manifest" in p.what) for p in problems] == [("__pycache__/n.cpython-312.pyc", True)]
+
+
+GOOD_ROW = ["env/x", "f", 1, 0o644, "ab" * 32, 7, 1_700_000_000_000_000_000, 0, 0]
+
+
+@pytest.mark.parametrize(
+    ("row", "valid"),
+    [
+        (GOOD_ROW, True),
+        (GOOD_ROW[:7], True),  # a legacy (format 1) row: no owners
+        ([*GOOD_ROW[:7], None, None], True),
+        (["env/x", "l", 5, 0o777, "../y", 7, 0, 0, 0], True),
+        ([*GOOD_ROW, 0], False),
+        (GOOD_ROW[:6], False),
+        (tuple(GOOD_ROW), False),
+        (["", *GOOD_ROW[1:]], False),
+        (["env/\0x", *GOOD_ROW[1:]], False),
+        ([7, *GOOD_ROW[1:]], False),
+        (["env/x", "?", *GOOD_ROW[2:]], False),
+        (["env/x", ["f"], *GOOD_ROW[2:]], False),
+        (["env/x", "f", True, *GOOD_ROW[3:]], False),
+        (["env/x", "f", 1.0, *GOOD_ROW[3:]], False),
+        (["env/x", "f", -1, *GOOD_ROW[3:]], False),
+        (["env/x", "f", 1, None, *GOOD_ROW[4:]], False),
+        ([*GOOD_ROW[:4], None, *GOOD_ROW[5:]], False),
+        ([*GOOD_ROW[:5], "7", *GOOD_ROW[6:]], False),
+        ([*GOOD_ROW[:7], -1, 0], False),
+        ([*GOOD_ROW[:7], False, 0], False),
+        ([*GOOD_ROW[:7], 0, "0"], False),
+    ],
+    ids=[
+        "a-file", "legacy", "legacy-owners-null", "a-link", "ten-fields", "six-fields", "a-tuple", "path-empty",
+        "path-with-nul", "path-not-a-string", "kind-special", "kind-a-list", "size-a-bool", "size-a-float",
+        "size-negative", "mode-null", "hash-null", "inode-a-string", "owner-negative", "owner-a-bool",
+        "group-a-string",
+    ],
+)  # fmt: skip
+def test_a_manifest_row_is_read_only_in_the_shape_the_store_writes(row, valid):
+    assert valid_row(row) is valid
