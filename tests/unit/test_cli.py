@@ -204,3 +204,28 @@ def test_bench_refuses_bad_input_before_measuring_anything(args, says, tmp_path)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.count("\n") == 1 and says in result.stderr
     assert not (tmp_path / "work").exists() or not any((tmp_path / "work").iterdir())
+
+
+def test_the_bench_compiles_bwstacks_bytecode_as_an_install_has_it(tmp_path, monkeypatch):
+    """Timed commands are bwstack as installed (pip compiles its bytecode): not a checkout compiling 200 modules
+    from source on every run, as it does where PYTHONDONTWRITEBYTECODE is set."""
+    import importlib.util
+    from pathlib import Path
+
+    from bwstack.bench import run
+
+    package = Path(run.__file__).parents[1]
+    probe_main = package / "probe" / "main.py"
+    cached = Path(importlib.util.cache_from_source(str(probe_main)))
+    cached.unlink(missing_ok=True)
+    asked: list[str] = []
+    monkeypatch.setattr(run, "Bench", lambda *args, **kwargs: asked.append("bench") or run_stopped())
+
+    def run_stopped():
+        raise RuntimeError("stopped after the set-up")
+
+    with pytest.raises(RuntimeError, match="stopped after the set-up"):
+        run.run("stack.lock.yaml", "cu128", str(tmp_path), 1, True, ["P5"])
+    assert asked == ["bench"] and cached.is_file()
+    missing = [p for p in package.rglob("*.py") if not Path(importlib.util.cache_from_source(str(p))).is_file()]
+    assert missing == []
