@@ -276,3 +276,88 @@ def test_the_store_and_the_probe_name_the_facts_file_alike():
     from bwstack.store.generations import FACTS
 
     assert FACTS == sealed.FACTS_NAME
+
+
+# nvcc's compile check on a node with a toolkit: half a second of every verify. A compile that succeeded is reused
+# while the generation, the host and the toolkit's whole tree are unchanged. The toolkit here is a TEST FIXTURE:
+# an `nvcc` script that logs each compile and writes the cubin it is asked for (or fails when told to).
+
+FAKE_NVCC = """#!/bin/sh
+echo "$@" >> "$(dirname "$0")/../../compiles.log"
+if [ "$1" = --version ]; then echo "Cuda compilation tools, release 13.0, V13.0.88"; exit 0; fi
+if [ -e "$(dirname "$0")/../../fail" ]; then echo "nvcc fatal: Unsupported gpu architecture" >&2; exit 1; fi
+while [ $# -gt 0 ]; do if [ "$1" = -o ]; then : > "$2"; fi; shift; done
+"""
+
+
+@pytest.fixture
+def toolkit(tmp_path):
+    home = tmp_path / "cuda-13.0"
+    (home / "bin").mkdir(parents=True)
+    (home / "include").mkdir()
+    nvcc = home / "bin" / "nvcc"
+    nvcc.write_text(FAKE_NVCC)
+    nvcc.chmod(0o755)
+    return home
+
+
+def _compiles(home: Path) -> int:
+    log = home.parent / "compiles.log"  # beside the toolkit: a log inside it would change its tree
+    return sum("-cubin" in line for line in log.read_text().splitlines()) if log.exists() else 0
+
+
+@needs_py312
+def test_a_compile_that_succeeded_is_reused_while_generation_host_and_toolkit_are_unchanged(built, toolkit):
+    nvcc = str(toolkit / "bin" / "nvcc")
+    first = probe.compile_facts(built.ml_env, nvcc, str(toolkit), "sm_120a", reuse=True)
+    again = probe.compile_facts(built.ml_env, nvcc, str(toolkit), "sm_120a", reuse=True)
+    assert first == ({"arch": "sm_120a", "ok": True, "error": ""}, False)
+    assert again == ({"arch": "sm_120a", "ok": True, "error": ""}, True)
+    assert _compiles(toolkit) == 1
+
+
+@needs_py312
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda home: (home / "include" / "cuda.h").write_text("/* a header added */\n"),
+        lambda home: os.utime(home / "bin" / "nvcc", ns=(0, 10**9)),
+        lambda home: os.chmod(home / "bin" / "nvcc", 0o700),
+    ],
+    ids=["file-added", "nvcc-replaced-mtime", "mode-changed"],
+)
+def test_a_changed_toolkit_compiles_again(built, toolkit, change):
+    nvcc = str(toolkit / "bin" / "nvcc")
+    probe.compile_facts(built.ml_env, nvcc, str(toolkit), "sm_120a", reuse=True)
+    change(toolkit)
+    assert probe.compile_facts(built.ml_env, nvcc, str(toolkit), "sm_120a", reuse=True)[1] is False
+    assert _compiles(toolkit) == 2
+
+
+@needs_py312
+def test_a_failed_compile_is_tried_again_every_time(built, toolkit):
+    (toolkit.parent / "fail").write_text("")
+    nvcc = str(toolkit / "bin" / "nvcc")
+    for _ in range(2):
+        result, reused = probe.compile_facts(built.ml_env, nvcc, str(toolkit), "sm_120a", reuse=True)
+        assert not result["ok"] and "Unsupported gpu architecture" in result["error"] and not reused
+    assert _compiles(toolkit) == 2
+
+
+@needs_py312
+def test_a_changed_generation_compiles_every_time(built, toolkit):
+    nvcc = str(toolkit / "bin" / "nvcc")
+    for _ in range(2):
+        assert probe.compile_facts(built.ml_env, nvcc, str(toolkit), "sm_120a", reuse=False)[1] is False
+    assert _compiles(toolkit) == 2
+
+
+@needs_py312
+def test_the_cuda_facts_read_the_same_whether_the_compile_ran_now_or_was_reused(built, toolkit, monkeypatch):
+    """They key the serve-plan results: a reused compile must not make the recorded plans unfindable."""
+    monkeypatch.setenv("CUDA_HOME", str(toolkit))
+    sources: list[dict] = [{}, {}]
+    first = probe.cuda_facts(built.ml_env, CAPABILITY, reuse=True, sources=sources[0])
+    again = probe.cuda_facts(built.ml_env, CAPABILITY, reuse=True, sources=sources[1])
+    assert first["compile"]["ok"] and first == again
+    assert [s["nvcc_compile"] for s in sources] == ["compiled now", "recorded"]

@@ -152,11 +152,42 @@ def store_facts(env: Path) -> dict:
 COMPILE_SOURCE = "__global__ void k(float *x) { x[threadIdx.x] *= 2.0f; }\n"
 
 
-def cuda_facts(env: Path, capability: str) -> dict:
+def _compile_for(nvcc: str, arch: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bwstack-nvcc-") as tmp:
+        src = Path(tmp, "k.cu")
+        src.write_text(COMPILE_SOURCE)
+        rc, out, err = _run([nvcc, f"-arch={arch}", "-cubin", "-o", str(Path(tmp, "k.cubin")), str(src)], timeout=300)
+    return {"arch": arch, "ok": rc == 0, "error": (err or out).strip()[-600:] if rc else ""}
+
+
+def compile_facts(env: Path, nvcc: str, home: str, arch: str, reuse: bool) -> tuple[dict, bool]:
+    """(whether nvcc compiles a kernel for `arch`, whether that answer is an earlier run's). nvcc starts its
+    host compiler, front end and assembler: half a second of every verify on a node with a toolkit. With `reuse`
+    (a sealed generation found unchanged), a compile that succeeded is reused while the toolkit's whole tree
+    (every path's kind, inode, size, mtime, mode, owner), the host (loader, system libraries, compiler) and the
+    generation are what they were; a failure is tried again each time."""
+    key = None
+    if reuse:
+        method, stamp = sealed.tree_stamp(Path(home).resolve())
+        if stamp != sealed.UNREADABLE:
+            key = sealed.derived_key(env, "nvcc-compile", nvcc, arch, method, stamp)
+    known = sealed.load_derived(env, key)
+    if isinstance(known, dict) and known.get("ok") is True and known.get("arch") == arch:
+        return {"arch": arch, "ok": True, "error": ""}, True
+    result = _compile_for(nvcc, arch)
+    if result["ok"]:
+        sealed.save_derived(env, key, result)
+    return result, False
+
+
+def cuda_facts(env: Path, capability: str, reuse: bool = False, sources: dict | None = None) -> dict:
+    """The CUDA toolkit as the env sees it (CUDA_HOME, nvcc) and whether its nvcc compiles for `capability`;
+    `reuse`: see compile_facts. `sources` (the probe's facts_source) is told whether the compile ran now: not
+    these facts, which key the serve-plan results and must read the same either way."""
     python = env / "bin" / "python"
     facts: dict = {}
     code = "import os, shutil; print(os.environ.get('CUDA_HOME') or ''); print(shutil.which('nvcc') or '')"
-    rc, out, err = _run([str(python), "-c", code], env=interp.clean_env())
+    rc, out, _err = _run([str(python), "-c", code], env=interp.clean_env())
     lines = ([*out.splitlines(), "", ""])[:2] if rc == 0 else ["", ""]
     facts["cuda_home_env"] = lines[0] or None
     facts["nvcc_on_path"] = lines[1] or None
@@ -170,14 +201,9 @@ def cuda_facts(env: Path, capability: str) -> dict:
         match = re.search(r"release (\d+\.\d+), V([\d.]+)", out)
         facts["nvcc_version"] = match.group(2) if match else None
         major, minor = capability.split(".")
-        arch = f"sm_{major}{minor}a"
-        with tempfile.TemporaryDirectory(prefix="bwstack-nvcc-") as tmp:
-            src = Path(tmp, "k.cu")
-            src.write_text(COMPILE_SOURCE)
-            rc, out, err = _run(
-                [facts["nvcc"], f"-arch={arch}", "-cubin", "-o", str(Path(tmp, "k.cubin")), str(src)], timeout=300
-            )
-        facts["compile"] = {"arch": arch, "ok": rc == 0, "error": (err or out).strip()[-600:] if rc else ""}
+        facts["compile"], reused = compile_facts(env, facts["nvcc"], home, f"sm_{major}{minor}a", reuse)
+        if sources is not None:
+            sources["nvcc_compile"] = "recorded" if reused else "compiled now"
     marker = Path(home, "bwstack-toolkit.json") if home else None
     if marker and marker.is_file():
         facts["toolkit_marker"] = json.loads(marker.read_text())
@@ -574,7 +600,7 @@ def collect(
                 if imports and reused is None
                 else None
             )
-            facts["cuda"] = cuda_facts(env, capability)
+            facts["cuda"] = cuda_facts(env, capability, reuse=bool(static), sources=facts["facts_source"])
             lap("cuda")
             if static:  # what a fix search's serve-plan runs of this verify hand back to skip the unchanged check
                 facts["facts_source"]["reuse"] = {"basis": sealed.basis(env), "gpu": gpu_key, "cuda": facts["cuda"]}

@@ -619,7 +619,7 @@ def main(argv: list[str]) -> int:
         base = reuse["basis"]
         key = sealed.derived_key(None, "serve-plan-job", job, gpu, cuda, base=base)
     elif sealed.unchanged_generation(env) is None:
-        cuda = probe.cuda_facts(env, str(job["device"].get("capability", "")))
+        cuda = probe.cuda_facts(env, str(job["device"].get("capability", "")), reuse=True)
         gpu = probe._gpu_key(probe.gpu_facts())
         key = sealed.derived_key(env, "serve-plan-job", job, gpu, cuda)
     result = sealed.load_derived(env, key)
