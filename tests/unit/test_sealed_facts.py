@@ -361,3 +361,19 @@ def test_the_cuda_facts_read_the_same_whether_the_compile_ran_now_or_was_reused(
     again = probe.cuda_facts(built.ml_env, CAPABILITY, reuse=True, sources=sources[1])
     assert first["compile"]["ok"] and first == again
     assert [s["nvcc_compile"] for s in sources] == ["compiled now", "recorded"]
+
+
+@needs_py312
+def test_a_toolkit_tree_too_large_to_stamp_is_compiled_every_time(built, toolkit, monkeypatch):
+    monkeypatch.setattr(probe, "TOOLKIT_MAX_PATHS", 3)  # the fixture toolkit has 4 paths
+    nvcc = str(toolkit / "bin" / "nvcc")
+    for _ in range(2):
+        assert probe.compile_facts(built.ml_env, nvcc, str(toolkit), "sm_120a", reuse=True)[1] is False
+    assert _compiles(toolkit) == 2
+
+
+@pytest.mark.parametrize("method", ["find", "python"])
+def test_a_tree_stamp_stops_at_its_path_limit(toolkit, method):
+    assert sealed.tree_stamp(toolkit, method, max_paths=3) == (method, sealed.UNREADABLE)
+    assert sealed.tree_stamp(toolkit, method, max_paths=4)[1] not in (sealed.UNREADABLE, "")
+    assert sealed.tree_stamp(toolkit, method, max_paths=4) == sealed.tree_stamp(toolkit, method)
