@@ -42,18 +42,18 @@ def sha256_file(path: str | os.PathLike, *, follow_links: bool = False) -> str:
 
 
 def _whole(n: object) -> bool:
-    return type(n) is int and n >= 0  # JSON's numbers: a bool is not one (type(), not isinstance: 92,000 rows)
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
 
 
 def valid_row(row: object) -> bool:
     """A manifest row of the shape the store writes: 7 fields (legacy) or 9, a path without NUL, a known kind,
     whole non-negative numbers, a string hash, owners as numbers (or None in a legacy row)."""
-    if type(row) is not list or len(row) not in (7, 9):
+    if not isinstance(row, list) or len(row) not in (7, 9):
         return False
     path, kind, size, mode, sha, ino, mtime = row[:7]
     uid, gid = row[7:9] if len(row) == 9 else (None, None)
     return (
-        type(path) is str
+        isinstance(path, str)
         and bool(path)
         and "\0" not in path
         and kind in KINDS
@@ -61,7 +61,7 @@ def valid_row(row: object) -> bool:
         and _whole(mode)
         and _whole(ino)
         and _whole(mtime)
-        and type(sha) is str
+        and isinstance(sha, str)
         and (uid is None or _whole(uid))
         and (gid is None or _whole(gid))
     )
