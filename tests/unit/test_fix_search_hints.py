@@ -156,7 +156,7 @@ def _split(run: dict, *indices: int) -> dict:
 
 def test_a_fix_search_answer_is_folded_into_the_recorded_plan_of_its_job():
     run = recorded("gpt-oss-20b-tp8-sm120")["runs"][0]
-    folded = node.fold_into(_split(run, 0), _split(run, 2))
+    folded = node.fold_into(_split(run, 0), _split(run, 2), own=1)
     assert folded is not None
     answered = assemble.already_planned(folded, [run["requests"][2]])
     assert answered is not None
@@ -166,7 +166,7 @@ def test_a_fix_search_answer_is_folded_into_the_recorded_plan_of_its_job():
 
 def test_a_request_the_recorded_plan_holds_is_not_folded_twice():
     run = recorded("gpt-oss-20b-tp8-sm120")["runs"][0]
-    folded = node.fold_into(_split(run, 0, 2), _split(run, 2))
+    folded = node.fold_into(_split(run, 0, 2), _split(run, 2), own=1)
     assert folded is not None and len(folded["requests"]) == len(folded["inenv"]["observations"]) == 2
 
 
@@ -189,6 +189,9 @@ def _other(run: dict, where: str, value: object) -> dict:
         ("answer", "inenv.sglang_device_view", {}),
         ("answer", "inenv.observations", []),
         ("recorded", "inenv", "not a mapping"),
+        ("recorded", "requests", 1),
+        ("recorded", "inenv.observations", 7),
+        ("answer", "requests", True),
     ],
     ids=[
         "answer-failed",
@@ -201,6 +204,9 @@ def _other(run: dict, where: str, value: object) -> dict:
         "other-device-view",
         "observations-missing",
         "recorded-damaged",
+        "recorded-requests-not-a-list",
+        "recorded-observations-not-a-list",
+        "answer-requests-not-a-list",
     ],
 )
 def test_an_answer_that_is_not_the_same_observation_is_not_folded(side, where, value):
@@ -210,19 +216,21 @@ def test_an_answer_that_is_not_the_same_observation_is_not_folded(side, where, v
         answer = _other(answer, where, value)
     else:
         recorded_plan = _other(recorded_plan, where, value)
-    assert node.fold_into(recorded_plan, answer) is None
+    assert node.fold_into(recorded_plan, answer, own=1) is None
 
 
 def test_no_recorded_plan_takes_no_fold():
     run = recorded("gpt-oss-20b-tp8-sm120")["runs"][0]
-    assert node.fold_into(None, _split(run, 2)) is None
+    assert node.fold_into(None, _split(run, 2), own=1) is None
 
 
-def test_a_fold_stops_at_the_hints_kept(monkeypatch):
+def test_a_fold_stops_at_the_hints_kept_beyond_the_jobs_own_requests(monkeypatch):
     run = recorded("gpt-oss-20b-tp8-sm120")["runs"][0]
     monkeypatch.setattr(node, "HINTS_KEPT", 1)
-    assert node.fold_into(_split(run, 0), _split(run, 1)) is not None
-    assert node.fold_into(_split(run, 0), _split(run, 1, 2)) is None
+    once = node.fold_into(_split(run, 0), _split(run, 1), own=1)
+    assert once is not None
+    assert node.fold_into(once, _split(run, 2), own=1) is None  # folds before count against the bound
+    assert node.fold_into(_split(run, 0), _split(run, 1, 2), own=1) is None
 
 
 @needs_py312

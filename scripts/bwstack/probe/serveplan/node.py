@@ -509,12 +509,19 @@ def _beside_observations(inenv: dict) -> dict:
     return {k: v for k, v in inenv.items() if k != "observations"}
 
 
-def fold_into(recorded: object, answer: dict) -> dict | None:
-    """The recorded plan of a job with a fix search's answer on the same generation added to it (requests and
-    observations it does not hold yet), so that the next verify's fix search finds them there and asks nothing.
-    None when the two cannot be one observation: either failed, or they differ in anything but the requests
-    (device, kernel and feature facts, SGLang's versions and view of the device), or there would be more than
-    HINTS_KEPT requests beyond the job's own."""
+def _pairs(doc: dict, inenv: dict) -> tuple[list, list] | None:
+    requests, found = doc.get("requests"), inenv.get("observations")
+    if not isinstance(requests, list) or not isinstance(found, list) or len(requests) != len(found):
+        return None
+    return list(requests), list(found)
+
+
+def fold_into(recorded: object, answer: object, own: int) -> dict | None:
+    """The recorded plan of a job (`own` requests of its own) with a fix search's answer on the same generation
+    added to it (requests and observations it does not hold yet), so that the next verify's fix search finds
+    them there and asks nothing. None when the two cannot be one observation: either failed or is malformed, or
+    they differ in anything but the requests (device, kernel and feature facts, SGLang's versions and view of
+    the device), or the plan would hold more than HINTS_KEPT requests beyond the job's own."""
     if not isinstance(recorded, dict) or not isinstance(answer, dict) or recorded.get("error") or answer.get("error"):
         return None
     inenv, more = recorded.get("inenv"), answer.get("inenv")
@@ -525,17 +532,17 @@ def fold_into(recorded: object, answer: dict) -> dict | None:
         return None
     if _beside_observations(inenv) != _beside_observations(more):
         return None
-    requests, found = list(recorded.get("requests") or []), list(inenv.get("observations") or [])
-    new_requests, new_found = list(answer.get("requests") or []), list(more.get("observations") or [])
-    if len(requests) != len(found) or len(new_requests) != len(new_found):
+    held_pairs, new_pairs = _pairs(recorded, inenv), _pairs(answer, more)
+    if held_pairs is None or new_pairs is None:
         return None
+    requests, found = held_pairs
     held = [_without_id(r) for r in requests if isinstance(r, dict)]
-    for request, observed in zip(new_requests, new_found, strict=True):
+    for request, observed in zip(*new_pairs, strict=True):
         if isinstance(request, dict) and _without_id(request) not in held:
             held.append(_without_id(request))
             requests.append(request)
             found.append(observed)
-    if len(requests) > len(recorded.get("requests") or []) + HINTS_KEPT:
+    if len(requests) > own + HINTS_KEPT:
         return None
     return {**recorded, "requests": requests, "inenv": {**inenv, "observations": found}}
 
@@ -630,7 +637,8 @@ def main(argv: list[str]) -> int:
         remember_asked(env, asked_after, job["requests"])
         if key is not None:  # the generation is as sealed: the answer holds for the verify job's plan too
             job_key = plan_key(None if base is not None else env, asked_after, gpu, cuda, base=base)
-            folded = fold_into(sealed.load_derived(env, job_key), result)
+            own = asked_after.get("requests")
+            folded = fold_into(sealed.load_derived(env, job_key), result, len(own) if isinstance(own, list) else 0)
             if folded is not None:
                 sealed.save_derived(env, job_key, folded)
     sys.stdout.write(json.dumps(result, default=str) + "\n")
