@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -279,25 +281,53 @@ def test_the_store_and_the_probe_name_the_facts_file_alike():
 
 
 # nvcc's compile check on a node with a toolkit: half a second of every verify. A compile that succeeded is reused
-# while the generation, the host and the toolkit's whole tree are unchanged. The toolkit here is a TEST FIXTURE:
-# an `nvcc` script that logs each compile and writes the cubin it is asked for (or fails when told to).
+# while the generation, the host, the toolkit's whole tree, nvcc's environment and the host compilers are
+# unchanged. The toolkit here is a TEST FIXTURE: an ELF `nvcc` (built here with gcc) that runs the script beside
+# it, which logs each compile and writes the cubin it is asked for (or fails when told to).
 
-FAKE_NVCC = """#!/bin/sh
+FAKE_NVCC_SCRIPT = """#!/bin/sh
 echo "$@" >> "$(dirname "$0")/../../compiles.log"
 if [ "$1" = --version ]; then echo "Cuda compilation tools, release 13.0, V13.0.88"; exit 0; fi
 if [ -e "$(dirname "$0")/../../fail" ]; then echo "nvcc fatal: Unsupported gpu architecture" >&2; exit 1; fi
 while [ $# -gt 0 ]; do if [ "$1" = -o ]; then : > "$2"; fi; shift; done
 """
+FAKE_NVCC_C = r"""
+#include <stdio.h>
+#include <unistd.h>
+int main(int argc, char **argv) {
+    char self[4096], script[4200];
+    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (n < 0) return 127;
+    self[n] = 0;
+    snprintf(script, sizeof script, "%s.sh", self);
+    char *args[argc + 2];
+    args[0] = "sh"; args[1] = script;
+    for (int i = 1; i < argc; i++) args[i + 1] = argv[i];
+    args[argc + 1] = 0;
+    execv("/bin/sh", args);
+    return 127;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def elf_launcher(tmp_path_factory) -> Path:
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    if gcc is None:
+        pytest.skip("no C compiler to build the fixture nvcc")
+    folder = tmp_path_factory.mktemp("fake-nvcc")
+    (folder / "nvcc.c").write_text(FAKE_NVCC_C)
+    subprocess.run([gcc, "-o", str(folder / "nvcc"), str(folder / "nvcc.c")], check=True)
+    return folder / "nvcc"
 
 
 @pytest.fixture
-def toolkit(tmp_path):
+def toolkit(tmp_path, elf_launcher):
     home = tmp_path / "cuda-13.0"
     (home / "bin").mkdir(parents=True)
     (home / "include").mkdir()
-    nvcc = home / "bin" / "nvcc"
-    nvcc.write_text(FAKE_NVCC)
-    nvcc.chmod(0o755)
+    shutil.copy(elf_launcher, home / "bin" / "nvcc")
+    (home / "bin" / "nvcc.sh").write_text(FAKE_NVCC_SCRIPT)
     return home
 
 
@@ -306,49 +336,94 @@ def _compiles(home: Path) -> int:
     return sum("-cubin" in line for line in log.read_text().splitlines()) if log.exists() else 0
 
 
+def _compile(built, home: Path, reuse: bool = True) -> tuple[dict, bool]:
+    return probe.compile_facts(built.ml_env, str(home / "bin" / "nvcc"), str(home), "sm_120a", reuse=reuse)
+
+
 @needs_py312
 def test_a_compile_that_succeeded_is_reused_while_generation_host_and_toolkit_are_unchanged(built, toolkit):
-    nvcc = str(toolkit / "bin" / "nvcc")
-    first = probe.compile_facts(built.ml_env, nvcc, str(toolkit), "sm_120a", reuse=True)
-    again = probe.compile_facts(built.ml_env, nvcc, str(toolkit), "sm_120a", reuse=True)
-    assert first == ({"arch": "sm_120a", "ok": True, "error": ""}, False)
-    assert again == ({"arch": "sm_120a", "ok": True, "error": ""}, True)
+    assert _compile(built, toolkit) == ({"arch": "sm_120a", "ok": True, "error": ""}, False)
+    assert _compile(built, toolkit) == ({"arch": "sm_120a", "ok": True, "error": ""}, True)
     assert _compiles(toolkit) == 1
+
+
+def _host_gcc(home: Path, monkeypatch) -> Path:
+    """A gcc first on PATH (a host compiler nvcc would start)."""
+    folder = home.parent / "host-bin"
+    folder.mkdir(exist_ok=True)
+    gcc = folder / "gcc"
+    gcc.write_text("#!/bin/sh\nexit 0\n")
+    gcc.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
+    return gcc
+
+
+def _linked_toolkit(home: Path, monkeypatch) -> None:
+    """The toolkit's include/ becomes a link to a folder elsewhere: what is there counts as the toolkit's."""
+    elsewhere = home.parent / "include-elsewhere"
+    elsewhere.mkdir()
+    os.rmdir(home / "include")
+    os.symlink(elsewhere, home / "include")
 
 
 @needs_py312
 @pytest.mark.parametrize(
     "change",
     [
-        lambda home: (home / "include" / "cuda.h").write_text("/* a header added */\n"),
-        lambda home: os.utime(home / "bin" / "nvcc", ns=(0, 10**9)),
-        lambda home: os.chmod(home / "bin" / "nvcc", 0o700),
+        lambda home, mp: (home / "include" / "cuda.h").write_text("/* a header added */\n"),
+        lambda home, mp: os.utime(home / "bin" / "nvcc", ns=(0, 10**9)),
+        lambda home, mp: os.chmod(home / "bin" / "nvcc", 0o700),
+        lambda home, mp: mp.setenv("NVCC_APPEND_FLAGS", "--bogus-flag"),
+        lambda home, mp: mp.setenv("NVCC_CCBIN", "/bin/false"),
+        lambda home, mp: mp.setenv("CPATH", str(home.parent)),
+        lambda home, mp: os.utime(home.parent / "host-bin" / "gcc", ns=(0, 10**9)),
     ],
-    ids=["file-added", "nvcc-replaced-mtime", "mode-changed"],
-)
-def test_a_changed_toolkit_compiles_again(built, toolkit, change):
-    nvcc = str(toolkit / "bin" / "nvcc")
-    probe.compile_facts(built.ml_env, nvcc, str(toolkit), "sm_120a", reuse=True)
-    change(toolkit)
-    assert probe.compile_facts(built.ml_env, nvcc, str(toolkit), "sm_120a", reuse=True)[1] is False
+    ids=[
+        "file-added", "nvcc-mtime-moved", "mode-changed", "nvcc-flags-set", "host-compiler-named",
+        "include-path-set", "host-compiler-replaced",
+    ],
+)  # fmt: skip
+def test_a_change_to_what_nvcc_runs_with_compiles_again(built, toolkit, change, monkeypatch):
+    _host_gcc(toolkit, monkeypatch)  # the gcc nvcc would start: first on PATH (replaced by one case)
+    _compile(built, toolkit)
+    change(toolkit, monkeypatch)
+    assert _compile(built, toolkit)[1] is False
+    assert _compiles(toolkit) == 2
+
+
+@needs_py312
+def test_a_file_a_toolkit_link_leads_to_counts_as_the_toolkits(built, toolkit, monkeypatch):
+    _linked_toolkit(toolkit, monkeypatch)
+    _compile(built, toolkit)
+    (toolkit.parent / "include-elsewhere" / "cuda.h").write_text("/* changed through the link */\n")
+    assert _compile(built, toolkit)[1] is False
+
+
+@needs_py312
+def test_an_nvcc_that_is_not_an_elf_program_is_compiled_every_time(built, toolkit):
+    """A wrapper script starts whatever it names, which the toolkit's stamp does not cover."""
+    wrapper = toolkit / "bin" / "nvcc"
+    wrapper.unlink()
+    wrapper.write_text(f'#!/bin/sh\nexec sh "{toolkit}/bin/nvcc.sh" "$@"\n')
+    wrapper.chmod(0o755)
+    for _ in range(2):
+        assert _compile(built, toolkit)[1] is False
     assert _compiles(toolkit) == 2
 
 
 @needs_py312
 def test_a_failed_compile_is_tried_again_every_time(built, toolkit):
     (toolkit.parent / "fail").write_text("")
-    nvcc = str(toolkit / "bin" / "nvcc")
     for _ in range(2):
-        result, reused = probe.compile_facts(built.ml_env, nvcc, str(toolkit), "sm_120a", reuse=True)
+        result, reused = _compile(built, toolkit)
         assert not result["ok"] and "Unsupported gpu architecture" in result["error"] and not reused
     assert _compiles(toolkit) == 2
 
 
 @needs_py312
 def test_a_changed_generation_compiles_every_time(built, toolkit):
-    nvcc = str(toolkit / "bin" / "nvcc")
     for _ in range(2):
-        assert probe.compile_facts(built.ml_env, nvcc, str(toolkit), "sm_120a", reuse=False)[1] is False
+        assert _compile(built, toolkit, reuse=False)[1] is False
     assert _compiles(toolkit) == 2
 
 
@@ -365,15 +440,34 @@ def test_the_cuda_facts_read_the_same_whether_the_compile_ran_now_or_was_reused(
 
 @needs_py312
 def test_a_toolkit_tree_too_large_to_stamp_is_compiled_every_time(built, toolkit, monkeypatch):
-    monkeypatch.setattr(probe, "TOOLKIT_MAX_PATHS", 3)  # the fixture toolkit has 4 paths
-    nvcc = str(toolkit / "bin" / "nvcc")
+    monkeypatch.setattr(probe, "TOOLKIT_MAX_PATHS", 4)  # the fixture toolkit has 5 paths
     for _ in range(2):
-        assert probe.compile_facts(built.ml_env, nvcc, str(toolkit), "sm_120a", reuse=True)[1] is False
+        assert _compile(built, toolkit)[1] is False
     assert _compiles(toolkit) == 2
 
 
 @pytest.mark.parametrize("method", ["find", "python"])
 def test_a_tree_stamp_stops_at_its_path_limit(toolkit, method):
-    assert sealed.tree_stamp(toolkit, method, max_paths=3) == (method, sealed.UNREADABLE)
-    assert sealed.tree_stamp(toolkit, method, max_paths=4)[1] not in (sealed.UNREADABLE, "")
-    assert sealed.tree_stamp(toolkit, method, max_paths=4) == sealed.tree_stamp(toolkit, method)
+    assert sealed.tree_stamp(toolkit, method, max_paths=4) == (method, sealed.UNREADABLE)
+    assert sealed.tree_stamp(toolkit, method, max_paths=5)[1] != sealed.UNREADABLE
+    assert sealed.tree_stamp(toolkit, method, max_paths=5) == sealed.tree_stamp(toolkit, method)
+
+
+def test_a_stamp_that_follows_links_refuses_a_loop_and_needs_find(toolkit, monkeypatch):
+    os.symlink("..", toolkit / "bin" / "up")
+    assert sealed.tree_stamp(toolkit, follow_links=True)[1] == sealed.UNREADABLE
+    assert sealed.tree_stamp(toolkit)[1] != sealed.UNREADABLE  # a generation's own links are not followed
+    monkeypatch.setattr(sealed.shutil, "which", lambda name: None)
+    assert sealed.tree_stamp(toolkit, follow_links=True) == ("python", sealed.UNREADABLE)
+
+
+def test_a_tree_that_changes_under_the_python_walk_is_unreadable_not_a_traceback(toolkit, monkeypatch):
+    real_lstat = os.lstat
+
+    def vanishing(path, *args, **kwargs):
+        if str(path).endswith("nvcc.sh"):
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return real_lstat(path, *args, **kwargs)
+
+    monkeypatch.setattr(sealed.treecheck.os, "lstat", vanishing)
+    assert sealed.tree_stamp(toolkit, "python") == ("python", sealed.UNREADABLE)

@@ -149,7 +149,7 @@ def store_facts(env: Path) -> dict:
 # ------------------------------------------------------------------------------------------------ CUDA
 
 
-TOOLKIT_MAX_PATHS = 60_000  # paths of a toolkit tree worth stamping to reuse its compile check
+TOOLKIT_MAX_PATHS = 20_000  # NVIDIA's CUDA 13.0 wheels: 2,166 paths (0.03 s); /usr: 140,000 (0.4 s, a compile's worth)
 COMPILE_SOURCE = "__global__ void k(float *x) { x[threadIdx.x] *= 2.0f; }\n"
 
 
@@ -161,19 +161,48 @@ def _compile_for(nvcc: str, arch: str) -> dict:
     return {"arch": arch, "ok": rc == 0, "error": (err or out).strip()[-600:] if rc else ""}
 
 
+# What nvcc's run depends on besides the toolkit's own files: its settings from the environment, the search paths
+# it and its host compiler read, and the host compiler it finds on PATH (or is pointed at).
+NVCC_ENVIRONMENT = (
+    "PATH", "CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH", "LIBRARY_PATH", "LD_LIBRARY_PATH", "TMPDIR",
+)  # fmt: skip
+HOST_COMPILERS = ("gcc", "g++", "cc", "c++", "cpp")
+
+
+def _compile_inputs(nvcc: str, home: str) -> list | None:
+    """What decides whether nvcc compiles, besides the generation and the host (sealed.basis): the toolkit's
+    whole tree as nvcc reaches it (links followed, so a toolkit assembled from links elsewhere counts whole), the
+    environment nvcc reads, and the host compilers it would start. None where that cannot be pinned down: nvcc
+    that is not an ELF program (a wrapper starts whatever it names), or a tree too large to stamp for less
+    than a compile costs (a CUDA_HOME of /usr, a distribution's nvcc)."""
+    try:
+        with elfread.open_regular(Path(nvcc)) as handle:
+            if handle.read(4) != b"\x7fELF":
+                return None
+    except (OSError, elfread.CorruptElf):
+        return None
+    method, stamp = sealed.tree_stamp(Path(home).resolve(), max_paths=TOOLKIT_MAX_PATHS, follow_links=True)
+    if stamp == sealed.UNREADABLE:
+        return None
+    environment = sorted((k, v) for k, v in os.environ.items() if k.startswith("NVCC_") or k in NVCC_ENVIRONMENT)
+    compilers = []
+    for name in HOST_COMPILERS:
+        found = shutil.which(name)
+        compilers.append([name, sealed.stat_key(found), sealed.stat_key(os.path.realpath(found))] if found else [name])
+    ccbin = os.environ.get("NVCC_CCBIN")
+    if ccbin:
+        compilers.append(["NVCC_CCBIN", sealed.stat_key(ccbin), sealed.stat_key(os.path.realpath(ccbin))])
+    return [nvcc, method, stamp, environment, compilers]
+
+
 def compile_facts(env: Path, nvcc: str, home: str, arch: str, reuse: bool) -> tuple[dict, bool]:
     """(whether nvcc compiles a kernel for `arch`, whether that answer is an earlier run's). nvcc starts its
     host compiler, front end and assembler: half a second of every verify on a node with a toolkit. With `reuse`
-    (a sealed generation found unchanged), a compile that succeeded is reused while the toolkit's whole tree
-    (every path's kind, inode, size, mtime, mode, owner), the host (loader, system libraries, compiler) and the
-    generation are what they were; a failure is tried again each time."""
-    key = None
-    if reuse:
-        # A toolkit's own tree stamps in a fraction of the compile (NVIDIA's CUDA 13.0 wheels: 2,166 paths, 0.03 s);
-        # a CUDA_HOME of /usr (a distribution's nvcc) would take longer than the compile: compiled each time.
-        method, stamp = sealed.tree_stamp(Path(home).resolve(), max_paths=TOOLKIT_MAX_PATHS)
-        if stamp != sealed.UNREADABLE:
-            key = sealed.derived_key(env, "nvcc-compile", nvcc, arch, method, stamp)
+    (a sealed generation found unchanged), a compile that succeeded is reused while the generation, the host
+    (loader, system libraries) and everything _compile_inputs names are what they were; a failure is tried
+    again each time."""
+    inputs = _compile_inputs(nvcc, home) if reuse else None
+    key = sealed.derived_key(env, "nvcc-compile", arch, inputs) if inputs is not None else None
     known = sealed.load_derived(env, key)
     if isinstance(known, dict) and known.get("ok") is True and known.get("arch") == arch:
         return {"arch": arch, "ok": True, "error": ""}, True

@@ -57,7 +57,7 @@ def generation_of(env: Path) -> Path | None:
     return None
 
 
-def _stat_key(path: str) -> list:
+def stat_key(path: str) -> list:
     try:
         st = os.stat(path)
     except OSError:
@@ -72,25 +72,31 @@ def host_fingerprint(env: Path) -> str:
     interpreter, and LD_LIBRARY_PATH."""
     from bwstack.probe import elfscan
 
-    parts: list = [_stat_key("/etc/ld.so.cache"), _stat_key("/etc/ld.so.conf")]
-    parts += [_stat_key(d) for d in elfscan.system_library_dirs()]
+    parts: list = [stat_key("/etc/ld.so.cache"), stat_key("/etc/ld.so.conf")]
+    parts += [stat_key(d) for d in elfscan.system_library_dirs()]
     library_path = os.environ.get("LD_LIBRARY_PATH", "")
-    parts += [["LD_LIBRARY_PATH", library_path]] + [_stat_key(d) for d in library_path.split(":") if d]
-    parts.append(_stat_key(str((Path(env) / "bin" / "python").resolve())))
+    parts += [["LD_LIBRARY_PATH", library_path]] + [stat_key(d) for d in library_path.split(":") if d]
+    parts.append(stat_key(str((Path(env) / "bin" / "python").resolve())))
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
 
-def tree_stamp(env: Path, method: str | None = None, max_paths: int | None = None) -> tuple[str, str]:
+def tree_stamp(
+    env: Path, method: str | None = None, max_paths: int | None = None, follow_links: bool = False
+) -> tuple[str, str]:
     """(method, digest) of every path under `env` with its kind, inode, size, mtime, mode and owner: what the
     manifest's quick check compares, as one digest. GNU find lists it at C speed (0.4 s for 92,000 paths);
     without it, the same in Python. The method is recorded with the digest: both sides use the same one.
     `max_paths`: a tree with more paths than that gets the UNREADABLE digest, its walk stopped there (a stamp
-    is only worth taking where it is cheaper than what it saves)."""
+    is only worth taking where it is cheaper than what it saves). `follow_links`: what links lead to is
+    stamped instead of the links (find -L, which refuses a loop; never for a generation, whose links are
+    its own files); without find that stamp is UNREADABLE. A tree that changes under the walk is UNREADABLE."""
     find = shutil.which("find") if method in (None, "find") else None
+    if follow_links and find is None:
+        return "python", UNREADABLE
     if find is not None:
         digest = hashlib.sha256()
         fmt = "%y %i %s %T@ %m %U %G %P\\0"
-        cmd = [find, str(env), "-printf", fmt]
+        cmd = [find, *(["-L"] if follow_links else []), str(env), "-printf", fmt]
         listed = 0
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) as proc:
             assert proc.stdout is not None
@@ -102,18 +108,21 @@ def tree_stamp(env: Path, method: str | None = None, max_paths: int | None = Non
                     return "find", UNREADABLE
         if proc.returncode == 0:
             return "find", digest.hexdigest()
-        if method == "find":
+        if method == "find" or follow_links:
             return "find", UNREADABLE
     digest = hashlib.sha256()
-    for listed, (rel, st) in enumerate(treecheck.walk(env), start=1):
-        if max_paths is not None and listed > max_paths:
-            return "python", UNREADABLE
-        rel = "" if rel == "." else rel  # the root as these digests have always named it
-        kind = "l" if stat.S_ISLNK(st.st_mode) else "d" if stat.S_ISDIR(st.st_mode) else "f"
-        digest.update(
-            f"{kind} {st.st_ino} {st.st_size} {st.st_mtime_ns} {stat.S_IMODE(st.st_mode):o} {st.st_uid} {st.st_gid} "
-            f"{rel}\0".encode(errors="surrogateescape")
-        )
+    try:
+        for listed, (rel, st) in enumerate(treecheck.walk(env), start=1):
+            if max_paths is not None and listed > max_paths:
+                return "python", UNREADABLE
+            rel = "" if rel == "." else rel  # the root as these digests have always named it
+            kind = "l" if stat.S_ISLNK(st.st_mode) else "d" if stat.S_ISDIR(st.st_mode) else "f"
+            digest.update(
+                f"{kind} {st.st_ino} {st.st_size} {st.st_mtime_ns} {stat.S_IMODE(st.st_mode):o} {st.st_uid} "
+                f"{st.st_gid} {rel}\0".encode(errors="surrogateescape")
+            )
+    except OSError:  # a path that went away under the walk, a directory it may not read
+        return "python", UNREADABLE
     return "python", digest.hexdigest()
 
 
@@ -274,8 +283,8 @@ def basis(env: Path) -> list | None:
     gen = generation_of(env)
     if gen is None:
         return None
-    compiler = [_stat_key(p) for p in ("/usr/bin/gcc", "/usr/bin/cc")]
-    return [gen.name, _stat_key(str(gen / MANIFEST_NAME)), host_fingerprint(env), compiler]
+    compiler = [stat_key(p) for p in ("/usr/bin/gcc", "/usr/bin/cc")]
+    return [gen.name, stat_key(str(gen / MANIFEST_NAME)), host_fingerprint(env), compiler]
 
 
 def basis_still_holds(env: Path, given: object) -> bool:
@@ -287,7 +296,7 @@ def basis_still_holds(env: Path, given: object) -> bool:
         and isinstance(given, list)
         and len(given) == 4
         and given[0] == gen.name
-        and given[1] == _stat_key(str(gen / MANIFEST_NAME))
+        and given[1] == stat_key(str(gen / MANIFEST_NAME))
     )
 
 
