@@ -377,10 +377,11 @@ def _linked_toolkit(home: Path, monkeypatch) -> None:
         lambda home, mp: mp.setenv("NVCC_CCBIN", "/bin/false"),
         lambda home, mp: mp.setenv("CPATH", str(home.parent)),
         lambda home, mp: os.utime(home.parent / "host-bin" / "gcc", ns=(0, 10**9)),
+        lambda home, mp: mp.setenv("PATH", os.environ["PATH"].split(":", 1)[1]),
     ],
     ids=[
         "file-added", "nvcc-mtime-moved", "mode-changed", "nvcc-flags-set", "host-compiler-named",
-        "include-path-set", "host-compiler-replaced",
+        "include-path-set", "host-compiler-replaced", "another-host-compiler-first-on-path",
     ],
 )  # fmt: skip
 def test_a_change_to_what_nvcc_runs_with_compiles_again(built, toolkit, change, monkeypatch):
@@ -471,3 +472,14 @@ def test_a_tree_that_changes_under_the_python_walk_is_unreadable_not_a_traceback
 
     monkeypatch.setattr(sealed.treecheck.os, "lstat", vanishing)
     assert sealed.tree_stamp(toolkit, "python") == ("python", sealed.UNREADABLE)
+
+
+@needs_py312
+def test_a_directory_of_its_own_on_path_does_not_stop_the_reuse(built, toolkit, monkeypatch, tmp_path):
+    """verify puts a new directory (links to Ansible's commands) on PATH each run: not a change nvcc sees."""
+    for run in range(2):
+        tools = tmp_path / f"verify-{run}" / "bin"
+        tools.mkdir(parents=True)
+        monkeypatch.setenv("PATH", f"{tools}:{os.environ['PATH']}")
+        _compile(built, toolkit)
+    assert _compiles(toolkit) == 1

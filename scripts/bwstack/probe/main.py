@@ -161,11 +161,10 @@ def _compile_for(nvcc: str, arch: str) -> dict:
     return {"arch": arch, "ok": rc == 0, "error": (err or out).strip()[-600:] if rc else ""}
 
 
-# What nvcc's run depends on besides the toolkit's own files: its settings from the environment, the search paths
-# it and its host compiler read, and the host compiler it finds on PATH (or is pointed at).
-NVCC_ENVIRONMENT = (
-    "PATH", "CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH", "LIBRARY_PATH", "LD_LIBRARY_PATH", "TMPDIR",
-)  # fmt: skip
+# What nvcc's run depends on besides the toolkit's own files: its settings from the environment (NVCC_*), the
+# search paths it and its host compiler read, and the host compilers it finds on PATH (or is pointed at). PATH
+# itself is not part of it (verify puts a directory of its own on it each run): what PATH leads to is.
+NVCC_ENVIRONMENT = ("CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH", "LIBRARY_PATH", "LD_LIBRARY_PATH")
 HOST_COMPILERS = ("gcc", "g++", "cc", "c++", "cpp")
 
 
