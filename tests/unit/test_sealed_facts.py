@@ -328,6 +328,7 @@ def toolkit(tmp_path, elf_launcher):
     (home / "include").mkdir()
     shutil.copy(elf_launcher, home / "bin" / "nvcc")
     (home / "bin" / "nvcc.sh").write_text(FAKE_NVCC_SCRIPT)
+    (home / "bin" / "nvcc.profile").write_text('INCLUDES += "-I$(TOP)/include"\nFIXTURE_FLAGS +=\n')
     return home
 
 
@@ -358,6 +359,13 @@ def _host_gcc(home: Path, monkeypatch) -> Path:
     return gcc
 
 
+def _rewrite_in_place(path: Path) -> None:
+    """Other bytes of the same size, the mtime put back (`rsync --inplace`, `cp -p` over the file)."""
+    st = os.lstat(path)
+    path.write_text("/* two */\n")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
 def _linked_toolkit(home: Path, monkeypatch) -> None:
     """The toolkit's include/ becomes a link to a folder elsewhere: what is there counts as the toolkit's."""
     elsewhere = home.parent / "include-elsewhere"
@@ -378,14 +386,21 @@ def _linked_toolkit(home: Path, monkeypatch) -> None:
         lambda home, mp: mp.setenv("CPATH", str(home.parent)),
         lambda home, mp: os.utime(home.parent / "host-bin" / "gcc", ns=(0, 10**9)),
         lambda home, mp: mp.setenv("PATH", os.environ["PATH"].split(":", 1)[1]),
+        lambda home, mp: mp.setenv("PTXAS_FLAGS", "--bogus-flag"),
+        lambda home, mp: mp.setenv("INCLUDES", "-include /nonexistent.h"),
+        lambda home, mp: mp.setenv("FIXTURE_FLAGS", "-x"),
+        lambda home, mp: mp.setenv("TMPDIR", str(home.parent / "no-such-dir")),
+        lambda home, mp: _rewrite_in_place(home / "include" / "kept.h"),
     ],
     ids=[
         "file-added", "nvcc-mtime-moved", "mode-changed", "nvcc-flags-set", "host-compiler-named",
-        "include-path-set", "host-compiler-replaced", "another-host-compiler-first-on-path",
+        "include-path-set", "host-compiler-replaced", "another-host-compiler-first-on-path", "ptxas-flags-set",
+        "includes-set", "a-variable-nvcc-profile-names-set", "tmpdir-set", "rewritten-keeping-size-and-mtime",
     ],
 )  # fmt: skip
 def test_a_change_to_what_nvcc_runs_with_compiles_again(built, toolkit, change, monkeypatch):
     _host_gcc(toolkit, monkeypatch)  # the gcc nvcc would start: first on PATH (replaced by one case)
+    (toolkit / "include" / "kept.h").write_text("/* one */\n")
     _compile(built, toolkit)
     change(toolkit, monkeypatch)
     assert _compile(built, toolkit)[1] is False
@@ -441,7 +456,7 @@ def test_the_cuda_facts_read_the_same_whether_the_compile_ran_now_or_was_reused(
 
 @needs_py312
 def test_a_toolkit_tree_too_large_to_stamp_is_compiled_every_time(built, toolkit, monkeypatch):
-    monkeypatch.setattr(probe, "TOOLKIT_MAX_PATHS", 4)  # the fixture toolkit has 5 paths
+    monkeypatch.setattr(probe, "TOOLKIT_MAX_PATHS", 5)  # the fixture toolkit has 6 paths
     for _ in range(2):
         assert _compile(built, toolkit)[1] is False
     assert _compiles(toolkit) == 2
@@ -449,9 +464,9 @@ def test_a_toolkit_tree_too_large_to_stamp_is_compiled_every_time(built, toolkit
 
 @pytest.mark.parametrize("method", ["find", "python"])
 def test_a_tree_stamp_stops_at_its_path_limit(toolkit, method):
-    assert sealed.tree_stamp(toolkit, method, max_paths=4) == (method, sealed.UNREADABLE)
-    assert sealed.tree_stamp(toolkit, method, max_paths=5)[1] != sealed.UNREADABLE
-    assert sealed.tree_stamp(toolkit, method, max_paths=5) == sealed.tree_stamp(toolkit, method)
+    assert sealed.tree_stamp(toolkit, method, max_paths=5) == (method, sealed.UNREADABLE)
+    assert sealed.tree_stamp(toolkit, method, max_paths=6)[1] != sealed.UNREADABLE
+    assert sealed.tree_stamp(toolkit, method, max_paths=6) == sealed.tree_stamp(toolkit, method)
 
 
 def test_a_stamp_that_follows_links_refuses_a_loop_and_needs_find(toolkit, monkeypatch):
@@ -483,3 +498,47 @@ def test_a_directory_of_its_own_on_path_does_not_stop_the_reuse(built, toolkit, 
         monkeypatch.setenv("PATH", f"{tools}:{os.environ['PATH']}")
         _compile(built, toolkit)
     assert _compiles(toolkit) == 1
+
+
+def _named_compiler(tmp_path: Path, monkeypatch, name: str) -> Path:
+    folder = tmp_path / "compilers"
+    folder.mkdir(exist_ok=True)
+    program = folder / name
+    program.write_text("#!/bin/sh\nexit 0\n")
+    program.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
+    return program
+
+
+@needs_py312
+@pytest.mark.parametrize("given", ["name", "directory"])
+def test_a_host_compiler_nvcc_is_pointed_at_by_name_or_directory_counts(built, toolkit, monkeypatch, tmp_path, given):
+    program = _named_compiler(tmp_path, monkeypatch, "mygcc" if given == "name" else "gcc")
+    monkeypatch.setenv("NVCC_CCBIN", "mygcc" if given == "name" else str(program.parent))
+    _compile(built, toolkit)
+    os.utime(program, ns=(0, 10**9))  # replaced
+    assert _compile(built, toolkit)[1] is False
+    assert _compiles(toolkit) == 2
+
+
+@needs_py312
+@pytest.mark.parametrize("variable", ["NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS"])
+@pytest.mark.parametrize("flag", ["-ccbin /opt/gcc-13/bin", "--compiler-bindir=/opt/gcc-13/bin"])
+def test_a_host_compiler_named_in_nvccs_flags_is_compiled_every_time(built, toolkit, monkeypatch, variable, flag):
+    monkeypatch.setenv(variable, flag)
+    for _ in range(2):
+        assert _compile(built, toolkit)[1] is False
+    assert _compiles(toolkit) == 2
+
+
+@needs_py312
+def test_odd_toolkits_give_cuda_facts_not_a_traceback(built, toolkit, monkeypatch, tmp_path):
+    loop = tmp_path / "loop"
+    os.symlink(loop, loop)
+    monkeypatch.setenv("CUDA_HOME", str(loop))
+    facts = probe.cuda_facts(built.ml_env, CAPABILITY, reuse=True)
+    assert facts["cuda_home"] == str(loop) and facts["cuda_home_real"] is None and facts["nvcc"] is None
+    (toolkit / "bwstack-toolkit.json").write_bytes(b"{not json \xff")
+    monkeypatch.setenv("CUDA_HOME", str(toolkit))
+    facts = probe.cuda_facts(built.ml_env, "", reuse=True)  # a job whose device names no capability
+    assert "unreadable" in facts["toolkit_marker"]["note"] and facts["compile"]["arch"] == "sm_a"

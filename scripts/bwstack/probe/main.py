@@ -161,36 +161,70 @@ def _compile_for(nvcc: str, arch: str) -> dict:
     return {"arch": arch, "ok": rc == 0, "error": (err or out).strip()[-600:] if rc else ""}
 
 
-# What nvcc's run depends on besides the toolkit's own files: its settings from the environment (NVCC_*), the
-# search paths it and its host compiler read, and the host compilers it finds on PATH (or is pointed at). PATH
-# itself is not part of it (verify puts a directory of its own on it each run): what PATH leads to is.
-NVCC_ENVIRONMENT = ("CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH", "LIBRARY_PATH", "LD_LIBRARY_PATH")
+# What nvcc's run depends on besides the toolkit's own files: its settings from the environment (NVCC_*, and every
+# variable its nvcc.profile adds to, such as INCLUDES and PTXAS_FLAGS), the search paths and settings it and the
+# host compiler's preprocessor read, its temporary directory, and the host compilers it finds on PATH (or is
+# pointed at). PATH itself is not part of it (verify puts a directory of its own on it each run): what PATH leads
+# to is.
+NVCC_ENVIRONMENT = (
+    "INCLUDES", "SYSTEM_INCLUDES", "LIBRARIES", "CUDAFE_FLAGS", "PTXAS_FLAGS", "TMPDIR",
+    "CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH", "LIBRARY_PATH", "LD_LIBRARY_PATH",
+    "GCC_EXEC_PREFIX", "COMPILER_PATH", "DEPENDENCIES_OUTPUT", "SUNPRO_DEPENDENCIES",
+)  # fmt: skip
 HOST_COMPILERS = ("gcc", "g++", "cc", "c++", "cpp")
+_PROFILE_NAME = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*\+?=", re.M)
+
+
+def _profile_names(home: Path) -> set[str]:
+    """The variables the toolkit's bin/nvcc.profile sets or adds to: nvcc takes each from the environment too."""
+    try:
+        with elfread.open_regular(home / "bin" / "nvcc.profile") as handle:
+            text = handle.read(1 << 16).decode("utf-8", "replace")
+    except (OSError, elfread.CorruptElf):
+        return set()
+    return set(_PROFILE_NAME.findall(text))
+
+
+def _program_key(label: str, value: str) -> list:
+    """A host compiler as nvcc would start it: a bare name is looked up on PATH; a directory holds gcc and g++."""
+    found = shutil.which(value) if "/" not in value else value
+    if found is None:
+        return [label, value, None]
+    if os.path.isdir(found):
+        return [label, value, *(_program_key(f"{label}/{n}", os.path.join(found, n)) for n in ("gcc", "g++"))]
+    return [label, value, sealed.stat_key(found), sealed.stat_key(os.path.realpath(found))]
 
 
 def _compile_inputs(nvcc: str, home: str) -> list | None:
     """What decides whether nvcc compiles, besides the generation and the host (sealed.basis): the toolkit's
-    whole tree as nvcc reaches it (links followed, so a toolkit assembled from links elsewhere counts whole), the
+    whole tree as nvcc reaches it (links followed, so a toolkit assembled from links elsewhere counts whole;
+    inode changes included, so a file rewritten in place with its size and mtime kept counts too), the
     environment nvcc reads, and the host compilers it would start. None where that cannot be pinned down: nvcc
-    that is not an ELF program (a wrapper starts whatever it names), or a tree too large to stamp for less
-    than a compile costs (a CUDA_HOME of /usr, a distribution's nvcc)."""
+    that is not an ELF program (a wrapper starts whatever it names), a host compiler named in nvcc's own flags
+    (NVCC_PREPEND_FLAGS, NVCC_APPEND_FLAGS), or a tree too large to stamp for less than a compile costs (a
+    CUDA_HOME of /usr, a distribution's nvcc)."""
     try:
         with elfread.open_regular(Path(nvcc)) as handle:
             if handle.read(4) != b"\x7fELF":
                 return None
     except (OSError, elfread.CorruptElf):
         return None
-    method, stamp = sealed.tree_stamp(Path(home).resolve(), max_paths=TOOLKIT_MAX_PATHS, follow_links=True)
+    flags = os.environ.get("NVCC_PREPEND_FLAGS", "") + " " + os.environ.get("NVCC_APPEND_FLAGS", "")
+    if "ccbin" in flags or "compiler-bindir" in flags:
+        return None
+    try:
+        root = Path(home).resolve()
+    except (OSError, RuntimeError):  # a link loop
+        return None
+    method, stamp = sealed.tree_stamp(root, max_paths=TOOLKIT_MAX_PATHS, follow_links=True)
     if stamp == sealed.UNREADABLE:
         return None
-    environment = sorted((k, v) for k, v in os.environ.items() if k.startswith("NVCC_") or k in NVCC_ENVIRONMENT)
-    compilers = []
-    for name in HOST_COMPILERS:
-        found = shutil.which(name)
-        compilers.append([name, sealed.stat_key(found), sealed.stat_key(os.path.realpath(found))] if found else [name])
+    names = set(NVCC_ENVIRONMENT) | _profile_names(root)
+    environment = sorted((k, v) for k, v in os.environ.items() if k.startswith("NVCC_") or k in names)
+    compilers = [_program_key(name, name) for name in HOST_COMPILERS]
     ccbin = os.environ.get("NVCC_CCBIN")
     if ccbin:
-        compilers.append(["NVCC_CCBIN", sealed.stat_key(ccbin), sealed.stat_key(os.path.realpath(ccbin))])
+        compilers.append(_program_key("NVCC_CCBIN", ccbin))
     return [nvcc, method, stamp, environment, compilers]
 
 
@@ -222,23 +256,38 @@ def cuda_facts(env: Path, capability: str, reuse: bool = False, sources: dict | 
     lines = ([*out.splitlines(), "", ""])[:2] if rc == 0 else ["", ""]
     facts["cuda_home_env"] = lines[0] or None
     facts["nvcc_on_path"] = lines[1] or None
-    home = lines[0] or (str(Path(lines[1]).resolve().parents[1]) if lines[1] else "")
+    nvcc_found = _resolved(lines[1]) if lines[1] else None
+    home = lines[0] or (str(nvcc_found.parents[1]) if nvcc_found and len(nvcc_found.parents) > 1 else "")
     facts["cuda_home"] = home or None
-    facts["cuda_home_real"] = str(Path(home).resolve()) if home else None
+    real = _resolved(home) if home else None
+    facts["cuda_home_real"] = str(real) if real else None
     nvcc = Path(home, "bin", "nvcc") if home else None
     facts["nvcc"] = str(nvcc) if nvcc and nvcc.is_file() else None
     if facts["nvcc"]:
         rc, out, _ = _run([facts["nvcc"], "--version"])
         match = re.search(r"release (\d+\.\d+), V([\d.]+)", out)
         facts["nvcc_version"] = match.group(2) if match else None
-        major, minor = capability.split(".")
+        major, _, minor = capability.partition(".")
         facts["compile"], reused = compile_facts(env, facts["nvcc"], home, f"sm_{major}{minor}a", reuse)
         if sources is not None:
             sources["nvcc_compile"] = "recorded" if reused else "compiled now"
     marker = Path(home, "bwstack-toolkit.json") if home else None
     if marker and marker.is_file():
-        facts["toolkit_marker"] = json.loads(marker.read_text())
+        try:
+            with elfread.open_regular(marker) as handle:  # a FIFO named like it must not hang the probe
+                found = json.loads(handle.read(1 << 20).decode("utf-8"))
+        except (OSError, ValueError, elfread.CorruptElf):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            found = None
+        facts["toolkit_marker"] = found if isinstance(found, dict) else {"note": f"{marker} is unreadable"}
     return facts
+
+
+def _resolved(path: str) -> Path | None:
+    """`path` with its links resolved; None for a link loop."""
+    try:
+        return Path(path).resolve()
+    except (OSError, RuntimeError):
+        return None
 
 
 # ------------------------------------------------------------------------------------------------ ELF

@@ -89,13 +89,16 @@ def tree_stamp(
     `max_paths`: a tree with more paths than that gets the UNREADABLE digest, its walk stopped there (a stamp
     is only worth taking where it is cheaper than what it saves). `follow_links`: what links lead to is
     stamped instead of the links (find -L, which refuses a loop; never for a generation, whose links are
-    its own files); without find that stamp is UNREADABLE. A tree that changes under the walk is UNREADABLE."""
+    its own files), with each path's inode change time; without find that stamp is UNREADABLE. A tree that
+    changes under the walk is UNREADABLE."""
     find = shutil.which("find") if method in (None, "find") else None
     if follow_links and find is None:
         return "python", UNREADABLE
     if find is not None:
         digest = hashlib.sha256()
         fmt = "%y %i %s %T@ %m %U %G %P\\0"
+        if follow_links:  # a stamp only compared with itself: the inode change time too
+            fmt = "%y %i %s %T@ %C@ %m %U %G %P\\0"
         cmd = [find, *(["-L"] if follow_links else []), str(env), "-printf", fmt]
         listed = 0
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) as proc:
