@@ -328,7 +328,10 @@ def toolkit(tmp_path, elf_launcher):
     (home / "include").mkdir()
     shutil.copy(elf_launcher, home / "bin" / "nvcc")
     (home / "bin" / "nvcc.sh").write_text(FAKE_NVCC_SCRIPT)
-    (home / "bin" / "nvcc.profile").write_text('INCLUDES += "-I$(TOP)/include"\nFIXTURE_FLAGS +=\n')
+    # As CUDA 13.0's own: it adds to PATH too (which verify changes each run) and uses `=+` as well as `+=`.
+    (home / "bin" / "nvcc.profile").write_text(
+        'PATH += $(_HERE_):\nINCLUDES += "-I$(TOP)/include"\nLIBRARIES =+ "-L$(TOP)/lib"\nFIXTURE_FLAGS +=\n'
+    )
     return home
 
 
@@ -389,13 +392,15 @@ def _linked_toolkit(home: Path, monkeypatch) -> None:
         lambda home, mp: mp.setenv("PTXAS_FLAGS", "--bogus-flag"),
         lambda home, mp: mp.setenv("INCLUDES", "-include /nonexistent.h"),
         lambda home, mp: mp.setenv("FIXTURE_FLAGS", "-x"),
+        lambda home, mp: mp.setenv("LIBRARIES", "-L/elsewhere"),
         lambda home, mp: mp.setenv("TMPDIR", str(home.parent / "no-such-dir")),
         lambda home, mp: _rewrite_in_place(home / "include" / "kept.h"),
     ],
     ids=[
         "file-added", "nvcc-mtime-moved", "mode-changed", "nvcc-flags-set", "host-compiler-named",
         "include-path-set", "host-compiler-replaced", "another-host-compiler-first-on-path", "ptxas-flags-set",
-        "includes-set", "a-variable-nvcc-profile-names-set", "tmpdir-set", "rewritten-keeping-size-and-mtime",
+        "includes-set", "a-variable-nvcc-profile-names-set", "libraries-set", "tmpdir-set",
+        "rewritten-keeping-size-and-mtime",
     ],
 )  # fmt: skip
 def test_a_change_to_what_nvcc_runs_with_compiles_again(built, toolkit, change, monkeypatch):

@@ -219,7 +219,7 @@ def _compile_inputs(nvcc: str, home: str) -> list | None:
     method, stamp = sealed.tree_stamp(root, max_paths=TOOLKIT_MAX_PATHS, follow_links=True)
     if stamp == sealed.UNREADABLE:
         return None
-    names = set(NVCC_ENVIRONMENT) | _profile_names(root)
+    names = (set(NVCC_ENVIRONMENT) | _profile_names(root)) - {"PATH"}  # CUDA's nvcc.profile adds to PATH
     environment = sorted((k, v) for k, v in os.environ.items() if k.startswith("NVCC_") or k in names)
     compilers = [_program_key(name, name) for name in HOST_COMPILERS]
     ccbin = os.environ.get("NVCC_CCBIN")
