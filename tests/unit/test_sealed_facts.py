@@ -547,3 +547,14 @@ def test_odd_toolkits_give_cuda_facts_not_a_traceback(built, toolkit, monkeypatc
     monkeypatch.setenv("CUDA_HOME", str(toolkit))
     facts = probe.cuda_facts(built.ml_env, "", reuse=True)  # a job whose device names no capability
     assert "unreadable" in facts["toolkit_marker"]["note"] and facts["compile"]["arch"] == "sm_a"
+
+
+@needs_py312
+def test_a_toolkit_that_changes_often_keeps_one_compile_entry_not_crowding_the_cache_out(built, toolkit):
+    """The store keeps 32 results per generation: one per toolkit stamp would push the import checks out."""
+    for run in range(sealed.DERIVED_KEEP + 2):
+        os.utime(toolkit / "bin" / "nvcc", ns=(0, (run + 1) * 10**9))
+        _compile(built, toolkit)
+    cache = json.loads(sealed.derived_cache(built.ml_env).read_text())
+    compiles = [v for v in cache.values() if isinstance(v["value"], dict) and "inputs" in v["value"]]
+    assert len(compiles) == 1 and _compiles(toolkit) == sealed.DERIVED_KEEP + 2

@@ -235,13 +235,17 @@ def compile_facts(env: Path, nvcc: str, home: str, arch: str, reuse: bool) -> tu
     (loader, system libraries) and everything _compile_inputs names are what they were; a failure is tried
     again each time."""
     inputs = _compile_inputs(nvcc, home) if reuse else None
-    key = sealed.derived_key(env, "nvcc-compile", arch, inputs) if inputs is not None else None
+    # One entry per generation and architecture, holding the inputs it was compiled with: a toolkit or setting
+    # that changes often replaces it instead of crowding the imports and plans out of the cache.
+    key = sealed.derived_key(env, "nvcc-compile", arch) if inputs is not None else None
+    inputs = json.loads(json.dumps(inputs, default=str))  # as the cache gives it back
     known = sealed.load_derived(env, key)
-    if isinstance(known, dict) and known.get("ok") is True and known.get("arch") == arch:
+    same = isinstance(known, dict) and (known.get("arch"), known.get("inputs")) == (arch, inputs)
+    if same and known.get("ok") is True:
         return {"arch": arch, "ok": True, "error": ""}, True
     result = _compile_for(nvcc, arch)
     if result["ok"]:
-        sealed.save_derived(env, key, result)
+        sealed.save_derived(env, key, {**result, "inputs": inputs})
     return result, False
 
 
