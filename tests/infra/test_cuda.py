@@ -44,7 +44,8 @@ def test_nvcc_compiles_for_the_target_architecture(facts, env, profile, record_p
         record_property(
             "note",
             f"nvcc compiled for {compile_['arch']} in an earlier verify of this generation; the toolkit "
-            f"({facts['cuda'].get('cuda_home')}, every file), the host and the generation are unchanged since",
+            f"({facts['cuda'].get('cuda_home')}, every file), nvcc's settings in the environment, the host "
+            "compilers, the host and the generation are unchanged since",
         )
     assert compile_["ok"], (
         f"nvcc cannot compile for {compile_['arch']} ({compile_['error'][:300]}): FlashInfer's SM120 kernels "

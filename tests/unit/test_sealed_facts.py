@@ -351,15 +351,14 @@ def test_a_compile_that_succeeded_is_reused_while_generation_host_and_toolkit_ar
     assert _compiles(toolkit) == 1
 
 
-def _host_gcc(home: Path, monkeypatch) -> Path:
-    """A gcc first on PATH (a host compiler nvcc would start)."""
-    folder = home.parent / "host-bin"
+def _compiler_on_path(folder: Path, monkeypatch, name: str = "gcc") -> Path:
+    """A host compiler nvcc would start, in `folder`, first on PATH."""
     folder.mkdir(exist_ok=True)
-    gcc = folder / "gcc"
-    gcc.write_text("#!/bin/sh\nexit 0\n")
-    gcc.chmod(0o755)
+    program = folder / name
+    program.write_text("#!/bin/sh\nexit 0\n")
+    program.chmod(0o755)
     monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
-    return gcc
+    return program
 
 
 def _rewrite_in_place(path: Path) -> None:
@@ -404,7 +403,7 @@ def _linked_toolkit(home: Path, monkeypatch) -> None:
     ],
 )  # fmt: skip
 def test_a_change_to_what_nvcc_runs_with_compiles_again(built, toolkit, change, monkeypatch):
-    _host_gcc(toolkit, monkeypatch)  # the gcc nvcc would start: first on PATH (replaced by one case)
+    _compiler_on_path(toolkit.parent / "host-bin", monkeypatch)  # replaced by one case
     (toolkit / "include" / "kept.h").write_text("/* one */\n")
     _compile(built, toolkit)
     change(toolkit, monkeypatch)
@@ -505,20 +504,10 @@ def test_a_directory_of_its_own_on_path_does_not_stop_the_reuse(built, toolkit, 
     assert _compiles(toolkit) == 1
 
 
-def _named_compiler(tmp_path: Path, monkeypatch, name: str) -> Path:
-    folder = tmp_path / "compilers"
-    folder.mkdir(exist_ok=True)
-    program = folder / name
-    program.write_text("#!/bin/sh\nexit 0\n")
-    program.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
-    return program
-
-
 @needs_py312
 @pytest.mark.parametrize("given", ["name", "directory"])
 def test_a_host_compiler_nvcc_is_pointed_at_by_name_or_directory_counts(built, toolkit, monkeypatch, tmp_path, given):
-    program = _named_compiler(tmp_path, monkeypatch, "mygcc" if given == "name" else "gcc")
+    program = _compiler_on_path(tmp_path / "compilers", monkeypatch, "mygcc" if given == "name" else "gcc")
     monkeypatch.setenv("NVCC_CCBIN", "mygcc" if given == "name" else str(program.parent))
     _compile(built, toolkit)
     os.utime(program, ns=(0, 10**9))  # replaced

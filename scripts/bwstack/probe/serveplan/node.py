@@ -636,7 +636,7 @@ def main(argv: list[str]) -> int:
     if isinstance(asked_after, dict):
         remember_asked(env, asked_after, job["requests"])
         if key is not None:  # the generation is as sealed: the answer holds for the verify job's plan too
-            job_key = plan_key(None if base is not None else env, asked_after, gpu, cuda, base=base)
+            job_key = plan_key(env, asked_after, gpu, cuda, base=base)  # base: the verify's own, when it gave one
             own = asked_after.get("requests")
             folded = fold_into(sealed.load_derived(env, job_key), result, len(own) if isinstance(own, list) else 0)
             if folded is not None:
