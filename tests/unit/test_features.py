@@ -258,5 +258,6 @@ def test_features_imports_only_the_standard_library() -> None:
     tree = ast.parse(Path(bwstack.probe.features.__file__).read_text())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0}
-    allowed = set(sys.stdlib_module_names) | {"__future__", "bwstack.probe.envinspect"}
+    # and the probe's own standard-library modules
+    allowed = set(sys.stdlib_module_names) | {"__future__", "bwstack.probe.envinspect", "bwstack.probe.treecheck"}
     assert {m for m in imported if m.split(".")[0] not in allowed and m not in allowed} == set()

@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 from helpers import needs_py312
 
+from bwstack.probe import sealed
 from bwstack.store.generations import Store
 from bwstack.store.layout import Layout
 from bwstack.store.record import GenerationRecord
 from bwstack.store.runlock import RunLock
+from bwstack.store.tree import remove_tree
 
 pytestmark = needs_py312
 
@@ -183,6 +185,61 @@ def test_prune_removes_old_generations_beyond_keep(stack):
     removed = json.loads(stack.run("prune", "--keep", "1", "--json", check=True).stdout)["removed"]
     assert removed == [first.name]
     assert not first.path.exists()
+
+
+def _remembered(stack, *names: str) -> Path:
+    """What verifies would have remembered of these generations (the files `sealed.save_derived` writes), a
+    killed writer's temporary file of the first, and a file the probe never writes."""
+    folder = sealed.derived_folder(stack.root)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        (folder / f"{name}.json").write_text("{}")
+    (folder / f".{names[0]}.json.4242.tmp").write_text("{")
+    (folder / "README").write_text("not bwstack's")
+    return folder
+
+
+def test_prune_forgets_what_verifies_remembered_of_the_generations_it_removes(stack):
+    stack.build("fixture-old", check=True)
+    stack.build("fixture-new", check=True)
+    first, second = (g.name for g in _store(stack).generations())
+    folder = _remembered(stack, first, second)
+    assert json.loads(stack.run("prune", "--keep", "1", "--json", check=True).stdout)["removed"] == [first]
+    assert sorted(p.name for p in folder.iterdir()) == [f"{second}.json", "README"]
+
+
+def test_prune_forgets_what_was_remembered_of_generations_removed_earlier(stack):
+    stack.build("fixture-new", check=True)
+    (kept,) = (g.name for g in _store(stack).generations())
+    folder = _remembered(stack, "0007-fixture-old-0123456789ab", kept)
+    assert json.loads(stack.run("prune", "--keep", "1", "--json", check=True).stdout)["removed"] == []
+    assert sorted(p.name for p in folder.iterdir()) == [f"{kept}.json", "README"]
+
+
+def test_a_new_generation_inherits_nothing_remembered_of_an_earlier_one_of_its_name(stack):
+    """Ids count up from the highest one left, and the name's digest is the closure's: a rebuild after the newest
+    generation was removed gets its name again."""
+    stack.build("fixture-new", check=True)
+    (name,) = (g.name for g in _store(stack).generations())
+    folder = _remembered(stack, name)
+    (gen,) = _store(stack).generations()  # removed by hand, as nothing in bwstack removes the active one
+    os.unlink(stack.ml_env)
+    os.unlink(stack.root / "current")
+    remove_tree(gen.path)
+    stack.build("fixture-new", check=True)
+    assert [g.name for g in _store(stack).generations()] == [name]
+    assert sorted(p.name for p in folder.iterdir()) == ["README"]
+
+
+def test_forgetting_never_follows_a_link_in_place_of_the_cache_folder(stack, tmp_path):
+    stack.build("fixture-new", check=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "0007-fixture-old-0123456789ab.json").write_text("someone else's")
+    sealed.derived_folder(stack.root).parent.mkdir(parents=True, exist_ok=True)
+    sealed.derived_folder(stack.root).symlink_to(elsewhere)
+    stack.run("prune", "--keep", "1", "--json", check=True)
+    assert (elsewhere / "0007-fixture-old-0123456789ab.json").read_text() == "someone else's"
 
 
 def test_a_second_run_while_one_holds_the_store_says_who_holds_it(stack):

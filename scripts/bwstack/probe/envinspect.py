@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from bwstack.probe import interp
+from bwstack.probe import interp, treecheck
 
 
 def canonical(name: str) -> str:
@@ -35,9 +35,9 @@ def site_packages(env: Path) -> Path:
 
 
 def env_python_version(env: Path) -> str | None:
-    cfg = Path(env) / "pyvenv.cfg"
-    if cfg.is_file():
-        for line in cfg.read_text().splitlines():
+    cfg = treecheck.read_text(Path(env) / "pyvenv.cfg")
+    if cfg is not None:
+        for line in cfg.splitlines():
             key, _, value = line.partition("=")
             if key.strip() in ("version_info", "version"):
                 return ".".join(value.strip().split(".")[:3])
@@ -49,13 +49,12 @@ def installed(env: Path) -> dict[str, Installed]:
     sp = site_packages(env)
     found: dict[str, Installed] = {}
     for dist_info in sorted(sp.glob("*.dist-info")):
-        meta = dist_info / "METADATA"
-        if not meta.is_file():
+        meta = treecheck.read_text(dist_info / "METADATA")
+        if meta is None:
             continue
-        headers = email.parser.Parser().parsestr(meta.read_text(encoding="utf-8", errors="replace"), headersonly=True)
+        headers = email.parser.Parser().parsestr(meta, headersonly=True)
         name = canonical(headers.get("Name", ""))
-        installer_file = dist_info / "INSTALLER"
-        installer = installer_file.read_text().strip() if installer_file.is_file() else ""
+        installer = (treecheck.read_text(dist_info / "INSTALLER", 4096) or "").strip()
         found[name] = Installed(name, headers.get("Version", ""), dist_info, installer)
     return found
 

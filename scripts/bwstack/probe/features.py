@@ -23,6 +23,8 @@ import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from bwstack.probe.treecheck import read_regular, read_text
+
 AVAILABLE = "available"
 UNAVAILABLE = "unavailable"
 CRASHES = "crashes"
@@ -68,10 +70,10 @@ def dist_versions(site_packages: Path, names: tuple[str, ...] = PACKAGES) -> dic
     found: dict[str, str | None] = dict.fromkeys(names)
     for dist_info in sorted(Path(site_packages).glob("*.dist-info")):
         key = _canonical(dist_info.name.split("-", 1)[0])
-        meta = dist_info / "METADATA"
-        if key not in wanted or not meta.is_file():
+        meta = read_text(dist_info / "METADATA") if key in wanted else None
+        if meta is None:
             continue
-        headers = email.parser.Parser().parsestr(meta.read_text(encoding="utf-8", errors="replace"), True)
+        headers = email.parser.Parser().parsestr(meta, True)
         if _canonical(headers.get("Name", "")) == key:
             found[wanted[key]] = headers.get("Version")
     return found
@@ -86,7 +88,7 @@ class _Source:
 
     def __init__(self, site_packages: Path, rel: str) -> None:
         self.rel = rel
-        self.text = (Path(site_packages) / rel).read_text(encoding="utf-8")
+        self.text = read_regular(Path(site_packages) / rel).decode("utf-8")
         self.lines = self.text.splitlines()
         self.tree = ast.parse(self.text, filename=rel)
 
@@ -452,7 +454,7 @@ def _find_gate(site_packages: Path) -> tuple[_Source, ast.FunctionDef] | None:
     if found is None and layers.is_dir():  # moved again: look for the known names anywhere under layers/
         rels = []
         for path in sorted(layers.rglob("*.py")):
-            text = path.read_text(encoding="utf-8", errors="replace")
+            text = read_text(path) or ""
             if any(f"def {name}(" in text for name in names):
                 rels.append(path.relative_to(site_packages).as_posix())
         found = search(rels)
@@ -514,7 +516,7 @@ def _header_guards(site_packages: Path, header: str, arch: int) -> dict | None:
     path = next((sp / d / header for d in FLASHINFER_HEADER_DIRS if (sp / d / header).is_file()), None)
     if path is None:
         return None
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    lines = (read_text(path) or "").splitlines()
     excluded, empty_kernels = [], []
     for i, line in enumerate(lines):
         if line.lstrip().startswith("#if") and _excludes(line, arch):

@@ -12,7 +12,10 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bwstack.probe import treecheck
+
 RECORD = "record.json"  # the store's name for it (bwstack.store.generations.RECORD)
+MAX_RECORD_BYTES = 16 << 20  # the store reads records with the same bound
 FIELDS = ("profile", "nearest_profile", "lock_digest", "cuda_home")
 
 
@@ -51,7 +54,7 @@ def _text(value: object) -> str | None:
 def read(generation_dir: Path) -> GenerationFacts | None:
     """The facts of the generation at `generation_dir` (None when it has no readable record)."""
     try:
-        data = json.loads((generation_dir / RECORD).read_text(encoding="utf-8"))
+        data = json.loads(treecheck.read_bounded(generation_dir / RECORD, MAX_RECORD_BYTES, "a record"))
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict):

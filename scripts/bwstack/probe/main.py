@@ -33,6 +33,7 @@ from bwstack.probe import (
     osrelease,
     schema,
     sealed,
+    treecheck,
     waivers,
 )
 
@@ -92,10 +93,9 @@ def gpu_facts() -> dict:
 
 
 def _torch_version_py(sp: Path) -> dict:
-    path = sp / "torch" / "version.py"
-    if not path.is_file():
+    text = treecheck.read_text(sp / "torch" / "version.py")
+    if text is None:
         return {}
-    text = path.read_text()
     found = dict(re.findall(r"^(__version__|cuda|git_version)\s*[:=].*?['\"]([^'\"]*)['\"]", text, re.M))
     cuda = re.search(r"^cuda\s*(?::[^=]*)?=\s*(None|['\"]([^'\"]*)['\"])", text, re.M)
     return {"version": found.get("__version__"), "cuda": cuda.group(2) if cuda and cuda.group(2) else None}
@@ -104,7 +104,7 @@ def _torch_version_py(sp: Path) -> dict:
 def _requires(dist: envinspect.Installed) -> list[str]:
     import email.parser
 
-    text = (dist.dist_info / "METADATA").read_text(encoding="utf-8", errors="replace")
+    text = treecheck.read_text(dist.dist_info / "METADATA") or ""
     message = email.parser.Parser().parsestr(text, headersonly=True)
     return [r.strip() for r in message.get_all("Requires-Dist") or []]
 
@@ -329,10 +329,9 @@ def extension_files(sp: Path) -> list[Path]:
 def torch_preloads(sp: Path, torch_cuda: str | None) -> dict[str, str]:
     """Libraries `import torch` loads by hand (`_preload_cuda_deps` in _load_global_deps, read from the
     installed torch/__init__.py): nvrtc and nvJitLink, which extensions such as sgl-kernel then rely on."""
-    init = sp / "torch" / "__init__.py"
-    if not init.is_file():
+    text = treecheck.read_text(sp / "torch" / "__init__.py")
+    if text is None:
         return {}
-    text = init.read_text(errors="replace")
     body = text.split("def _load_global_deps", 1)[-1].split("except OSError", 1)[0]
     found: dict[str, str] = {}
     major = (torch_cuda or "").split(".")[0]

@@ -26,6 +26,7 @@ Standard library only: this module runs on target hosts inside the verify probe.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -273,11 +274,47 @@ def load_static(env: Path, capability: str) -> tuple[dict | None, str]:
 DERIVED_KEEP = 32  # results kept per generation (one per import set, serve-plan job, device)
 
 
+def derived_folder(store_root: Path) -> Path:
+    """Where the store keeps what verifies computed by running its generations: a file per generation."""
+    return store_root / "cache" / "verify-facts"
+
+
 def derived_cache(env: Path) -> Path | None:
     gen = generation_of(env)
     if gen is None:
         return None
-    return gen.parent.parent / "cache" / "verify-facts" / f"{gen.name}.json"
+    return derived_folder(gen.parent.parent) / f"{gen.name}.json"
+
+
+def _cached_generation(name: str) -> str | None:
+    """The generation a file of the derived folder belongs to: `<gen>.json`, or `.<gen>.json.<pid>.tmp` that a
+    writer killed before its rename left. None for a name this module never writes."""
+    if name.startswith(".") and name.endswith(".tmp"):
+        name = name[1:].rsplit(".", 2)[0] if name.count(".") >= 3 else ""
+    return name[: -len(".json")] if name.endswith(".json") and len(name) > len(".json") else None
+
+
+def forget_derived(store_root: Path, generations: set[str]) -> list[str]:
+    """Remove what verifies remembered of generations that are gone (pruned, or an adoption that never
+    completed): nothing of theirs can be reused, and a store that builds often would keep a file per build.
+    Names this module does not write are left alone; the folder is opened without following a link and each
+    file is unlinked relative to it (unlink never follows one). Returns the names removed."""
+    try:
+        fd = os.open(derived_folder(store_root), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return []  # none yet, or not a folder this store made
+    removed = []
+    try:
+        for name in sorted(os.listdir(fd)):
+            gen = _cached_generation(name)
+            if gen is None or gen in generations:
+                continue
+            with contextlib.suppress(OSError):  # gone meanwhile, or a folder of that name: not ours to empty
+                os.unlink(name, dir_fd=fd)
+                removed.append(name)
+    finally:
+        os.close(fd)
+    return removed
 
 
 def basis(env: Path) -> list | None:

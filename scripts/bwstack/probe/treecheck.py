@@ -13,6 +13,7 @@ re-hashes every file. Links are never followed.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -23,6 +24,7 @@ from pathlib import Path
 
 CHUNK = 4 << 20
 MAX_MANIFEST_BYTES = 512 << 20
+MAX_TEXT_BYTES = 16 << 20  # sglang's largest source is 0.2 MB, torch's METADATA 0.05 MB
 KINDS = ("f", "l", "d")
 NAMES = {"f": "a file", "l": "a symlink", "d": "a directory", "?": "a special file"}
 
@@ -70,7 +72,44 @@ def valid_row(row: object) -> bool:
 def read_bounded(path: Path, limit: int = MAX_MANIFEST_BYTES, what: str = "a manifest") -> bytes:
     """The bytes of a file the store wrote (a manifest, a record): a regular file, opened without following a
     link or blocking on a FIFO, of at most `limit` bytes. OSError, or ValueError saying what is wrong with it."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    return _read_fd(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC), limit, what)
+
+
+def read_regular(path: str | os.PathLike[str], limit: int = MAX_TEXT_BYTES, what: str = "a source file") -> bytes:
+    """The bytes of a file of an env (METADATA, a module's source, a header), read as the env's interpreter
+    reads it, through links, but only if it ends at a regular file of at most `limit` bytes: checked before
+    opening (opening a device can act on it) and again after (opened without blocking, so a FIFO cannot hang
+    a root probe; read at most `limit` + 1 bytes, so a /proc file that claims 0 bytes cannot exhaust memory).
+    A restored archive may hold absolute links, so an env's file may lead anywhere; the kernel's files in /proc
+    and /sys are refused whatever they claim to be (reading /proc/kmsg consumes the kernel's log). OSError or
+    ValueError."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise ValueError(f"{path}: not a regular file")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    if os.fstat(fd).st_dev in _kernel_filesystems():
+        os.close(fd)
+        raise ValueError(f"{path}: a file of the kernel's (/proc, /sys), not of the env")
+    return _read_fd(fd, limit, what)
+
+
+def _kernel_filesystems() -> set[int]:
+    devices = set()
+    for mount in ("/proc", "/sys"):
+        with contextlib.suppress(OSError):
+            devices.add(os.stat(mount).st_dev)
+    return devices
+
+
+def read_text(path: str | os.PathLike[str], limit: int = MAX_TEXT_BYTES) -> str | None:
+    """`read_regular` as text (undecodable bytes replaced), or None where `Path.is_file` said no before, and
+    also for a file that cannot be read or is over `limit`: the callers treat those as absent."""
+    try:
+        return read_regular(path, limit).decode("utf-8", errors="replace")
+    except (OSError, ValueError):
+        return None
+
+
+def _read_fd(fd: int, limit: int, what: str) -> bytes:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -78,7 +117,12 @@ def read_bounded(path: Path, limit: int = MAX_MANIFEST_BYTES, what: str = "a man
         if st.st_size > limit:
             raise ValueError(f"{st.st_size} bytes, more than {what} can be")
         with os.fdopen(os.dup(fd), "rb") as handle:
-            return handle.read(limit + 1)
+            data = handle.read(limit + 1)
+        if data is None:  # opened without blocking, and it would block: no regular file does that
+            raise ValueError("has nothing to read yet, as no regular file has")
+        if len(data) > limit:
+            raise ValueError(f"more than {limit} bytes, more than {what} can be")
+        return data
     finally:
         os.close(fd)
 

@@ -39,7 +39,8 @@ from pathlib import Path
 
 from bwstack.errors import BwstackError, IntegrityError, UsageError
 from bwstack.fsutil import atomic_symlink, atomic_write_text, fsync_dir
-from bwstack.probe import envinspect, interp
+from bwstack.probe import envinspect, interp, sealed
+from bwstack.probe.generation import MAX_RECORD_BYTES
 from bwstack.probe.treecheck import read_bounded, sha256_file
 from bwstack.store import manifest
 from bwstack.store import record as record_module
@@ -55,7 +56,6 @@ HOOK_PTH = "zzzz_bwstack_generation.pth"  # last in site's alphabetical .pth ord
 HOOK_MODULE = "_bwstack_generation.py"
 BUILDING_PREFIX = ".building-"
 TOP_LEVEL = {"env", "cuda", RECORD, MANIFEST}  # everything a generation directory may hold
-MAX_RECORD_BYTES = 16 << 20
 
 
 def now_iso() -> str:
@@ -420,6 +420,7 @@ class Store:
         atomic_write_text(building / MANIFEST, json.dumps(doc.document(), separators=(",", ":")), mode=0o444)
         checkpoint("before-commit-rename")
         final = self.layout.generations / name
+        self.forget_removed()  # a generation of this name removed earlier: nothing of its may pass to this one
         os.rename(building, final)
         fsync_dir(self.layout.generations)
         gen = Generation(final, record)
@@ -655,7 +656,12 @@ class Store:
             removed.append(gen.name)
         if removed:
             self.layout.objects.collect()
+        self.forget_removed()  # every run: also what versions before this one left behind
         return removed
+
+    def forget_removed(self) -> list[str]:
+        """Drop what verifies remembered of generations this store no longer has."""
+        return sealed.forget_derived(self.layout.root, {g.name for g in self.generations()})
 
 
 def write_hook(env: Path, name: str) -> None:

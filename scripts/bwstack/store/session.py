@@ -64,3 +64,4 @@ def finish_interrupted_adoption(store: Store, log: Log = print) -> None:
             else:
                 log(f"removing {gen.name}: its adoption never completed")
                 remove_tree(gen.path)
+                store.forget_removed()

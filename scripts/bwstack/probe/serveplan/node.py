@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TypedDict
 
-from bwstack.probe import elfscan, envinspect, fatbin, features, interp, sealed
+from bwstack.probe import elfscan, envinspect, fatbin, features, interp, sealed, treecheck
 from bwstack.probe import main as probe
 from bwstack.probe.serveplan import references
 
@@ -284,9 +284,10 @@ def _flashinfer_guards(sp: Path) -> dict:
     out = {}
     for family, (rel, pattern) in GUARDS.items():
         path = sp / "flashinfer" / "data" / rel
-        if not path.is_file():
+        text = treecheck.read_text(path)
+        if text is None:
             continue
-        for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        for number, line in enumerate(text.splitlines(), 1):
             if re.search(pattern, line):
                 out[family] = {"site": f"{path.relative_to(sp)}:{number}", "code": line.strip()[:240]}
                 break
@@ -303,9 +304,9 @@ def _deep_gemm(sp: Path) -> dict | None:
 
 def _triton_kernels(sp: Path) -> dict | None:
     target = sp / "triton_kernels" / "target_info.py"
-    if not target.is_file():
+    text = treecheck.read_text(target)
+    if text is None:
         return None
-    text = target.read_text(encoding="utf-8", errors="replace")
     match = re.search(r"def has_tma_gather\(\):\s*\n\s*return cuda_capability_geq\((\d+),\s*(\d+)\)", text)
     if not match:
         return {"file": str(target.relative_to(sp)), "tma_gather_from": None}
