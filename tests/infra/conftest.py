@@ -111,18 +111,40 @@ def _run(host, command: str, expect_ok: bool = True):
     return result
 
 
+# The probe's folder on the node: the connecting user's own, which no other user can write. In a shared one
+# (/tmp) another user could leave a file under the probe's name for root to run. The folder must be a real
+# directory of the user's, mode 0700; a probe found there runs only if it is the user's regular file with the
+# bundle's hash, else a fresh copy replaces it. Prints the probe's path, then "ok" or "upload".
+_PLACE = """umask 077; d="${{HOME:?is not set}}/.cache/bwstack"; mkdir -p "$d" || exit 3
+if [ -L "$d" ] || [ ! -d "$d" ] || [ ! -O "$d" ]; then echo "$d is not a directory of $(id -un)'s own" >&2; exit 3; fi
+chmod 0700 "$d" || exit 3
+f="$d/{name}"; echo "$f"
+if [ ! -L "$f" ] && [ -f "$f" ] && [ -O "$f" ] && printf '%s  %s\\n' {sha} "$f" | sha256sum -c --status; then
+  echo ok; else echo upload; fi"""
+
+
 def _upload(host, data: bytes, remote: str) -> None:
+    """Into a new file of the private folder (mktemp), renamed over `remote` once whole."""
     encoded = base64.b64encode(data).decode()
-    tmp = f"{remote}.b64.tmp"
-    _run(host, f"rm -f {shlex.quote(tmp)}")
+    folder = shlex.quote(str(Path(remote).parent))
+    tmp = _run(host, f"mktemp {folder}/.upload.XXXXXXXX").stdout.strip()
     for start in range(0, len(encoded), CHUNK):
         _run(host, f"printf %s {encoded[start : start + CHUNK]} >> {shlex.quote(tmp)}")
-    _run(host, f"base64 -d {shlex.quote(tmp)} > {shlex.quote(remote)} && rm -f {shlex.quote(tmp)}")
+    _run(
+        host,
+        f"base64 -d {shlex.quote(tmp)} > {shlex.quote(tmp)}.pyz && mv -f {shlex.quote(tmp)}.pyz "
+        f"{shlex.quote(remote)}; rm -f {shlex.quote(tmp)}",
+    )
 
 
 def _remote_probe(host) -> str:
-    remote = f"/tmp/bwstack-probe-{probe_bundle.digest()}.pyz"
-    if _run(host, f"test -f {shlex.quote(remote)}", expect_ok=False).rc != 0:
+    """The probe's path on the node, uploaded there unless the user's own copy with its hash is there already."""
+    name = f"bwstack-probe-{probe_bundle.digest()}.pyz"
+    placed = _run(host, "sh -c " + shlex.quote(_PLACE.format(name=name, sha=probe_bundle.sha256()))).stdout.split()
+    if len(placed) != 2 or placed[1] not in ("ok", "upload"):
+        raise HostUnavailable(f"cannot place the probe on {host.backend.get_pytest_id()}: {' '.join(placed)[:200]}")
+    remote, state = placed
+    if state == "upload":
         _upload(host, probe_bundle.build(), remote)
     return remote
 

@@ -32,8 +32,13 @@ def build() -> bytes:
     return buffer.getvalue()
 
 
+def sha256() -> str:
+    return hashlib.sha256(build()).hexdigest()
+
+
 def digest() -> str:
-    return hashlib.sha256(build()).hexdigest()[:16]
+    """In the probe's file name: which code it is."""
+    return sha256()[:16]
 
 
 def write(path: str | Path) -> Path:

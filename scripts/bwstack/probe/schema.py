@@ -106,7 +106,7 @@ def parse(text: str, where: str) -> Facts:
     if version != SCHEMA_VERSION:
         raise FactsError(
             f"the bwstack probe on {where} speaks facts schema {version!r}, this bwstack reads {SCHEMA_VERSION}: "
-            f"remove the cached /tmp/bwstack-probe-*.pyz there (or upgrade bwstack on the controller) and run again"
+            f"remove ~/.cache/bwstack/bwstack-probe-*.pyz there (or upgrade bwstack on the controller) and run again"
         )
     for section in ("host", "gpu", "env"):
         if not isinstance(data.get(section), dict):
