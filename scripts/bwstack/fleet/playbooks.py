@@ -25,6 +25,7 @@ import re
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -35,7 +36,8 @@ from bwstack import paths
 from bwstack.checks import hostspec
 from bwstack.errors import BwstackError, UsageError
 from bwstack.fleet.settings import PlaybookSettings
-from bwstack.probe.treecheck import sha256_file
+from bwstack.fsutil import atomic_write_bytes
+from bwstack.probe.treecheck import read_bounded, sha256_file
 
 GROUP = "bwstack_nodes"
 # Fixed zip timestamps (2026-01-01): an unchanged checkout gives the same wheel bytes, so shipping it to a
@@ -88,25 +90,45 @@ def source_tree() -> Path | None:
 # ------------------------------------------------------------------------------------------------ controller facts
 
 
-def _atomic_copy_into(src: Path, dest_dir: Path) -> Path:
-    dest_dir.mkdir(parents=True, exist_ok=True)
-    dest = dest_dir / src.name
-    tmp = dest_dir / f".{src.name}.{os.getpid()}.tmp"
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dest)
-    return dest
+def _own_folder(directory: Path, option: str) -> tuple[Path, bool]:
+    """The controller's cache folder for the probe and the wheel, whose files the playbooks ship to nodes and run
+    there as root: a directory of this user's (made 0700 when it does not exist), and whether what it holds can
+    be trusted. One that others could write (made under umask 002 by an earlier bwstack) is closed to them, and
+    what it holds is made again: a file left under the probe's or the wheel's name would be shipped."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = os.lstat(directory)
+    except OSError as exc:
+        raise UsageError(f"{option} {directory}: cannot be made ({exc.strerror})") from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise UsageError(
+            f"{option} {directory}: not a directory of this user's (a link, or another owner): set "
+            f"bwstack_controller_cache to a folder of this user's"
+        )
+    if st.st_mode & 0o022:
+        os.chmod(directory, stat.S_IMODE(st.st_mode) & ~0o022)
+        return directory, False
+    return directory, True
+
+
+def _holds(path: Path, sha256: str) -> bool:
+    """`path` is a regular file (not a link) with these bytes."""
+    try:
+        return sha256_file(path) == sha256
+    except OSError:
+        return False
 
 
 def write_probe(directory: Path) -> Path:
+    """The probe zipapp in the controller's cache, reused only while it holds the bundle's bytes."""
     from bwstack.fleet import probe_bundle
 
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"bwstack-probe-{probe_bundle.digest()}.pyz"
-    if not path.is_file():
-        tmp = directory / f".{path.name}.{os.getpid()}.tmp"
-        probe_bundle.write(tmp)
-        os.replace(tmp, path)
-    return path
+    directory, trusted = _own_folder(directory, "--probe-dir")
+    name = f"bwstack-probe-{probe_bundle.digest()}.pyz"
+    if trusted and _holds(directory / name, probe_bundle.sha256()):
+        return directory / name
+    atomic_write_bytes(directory / name, probe_bundle.build())  # a new file renamed over the name: no link followed
+    return directory / name
 
 
 _COPY_IGNORE = shutil.ignore_patterns(
@@ -126,6 +148,8 @@ _COPY_IGNORE = shutil.ignore_patterns(
 )
 
 
+WHEEL_STAMP = ".bwstack-wheel.json"  # which sources the wheel beside it was built from
+WHEEL_NAME = re.compile(r"bwstack-[A-Za-z0-9_.+-]+\.whl")
 WHEEL_SOURCES = ("pyproject.toml", "README.md", "scripts/bwstack", "tests/infra", "ansible")
 
 
@@ -153,14 +177,22 @@ def build_wheel(directory: Path) -> dict:
             "set bwstack_tool_wheel to a bwstack wheel on the controller"
         )
     source_digest = _source_digest(src)
-    stamp = directory / ".bwstack-wheel.json"
+    directory, trusted = _own_folder(directory, "--wheel-dir")
+    stamp = directory / WHEEL_STAMP
     try:
-        built = json.loads(stamp.read_text())
-        path = directory / built["name"]
-        if built["source"] == source_digest and path.is_file() and sha256_file(path) == built["sha256"]:
-            return {"path": str(path), "name": path.name, "sha256": built["sha256"]}
-    except (OSError, ValueError, KeyError):
-        pass
+        if not trusted:
+            raise ValueError("others could write the folder: build again")
+        built = json.loads(read_bounded(stamp, 4096, "a wheel stamp"))
+        name = built["name"]
+        if (
+            isinstance(name, str)
+            and WHEEL_NAME.fullmatch(name)
+            and built["source"] == source_digest
+            and _holds(directory / name, built["sha256"])
+        ):
+            return {"path": str(directory / name), "name": name, "sha256": built["sha256"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # none yet, or not one this module wrote: build again
     with tempfile.TemporaryDirectory(prefix="bwstack-wheel-") as tmp:
         copy = Path(tmp) / "src"
         shutil.copytree(src, copy, ignore=_COPY_IGNORE, symlinks=True)
@@ -173,9 +205,11 @@ def build_wheel(directory: Path) -> dict:
         if result.returncode != 0 or len(wheels) != 1:
             tail = (result.stderr or result.stdout).strip()[-800:]
             raise BwstackError(f"could not build the bwstack wheel from {src}: {tail}")
-        path = _atomic_copy_into(wheels[0], directory)
+        path = directory / wheels[0].name
+        atomic_write_bytes(path, wheels[0].read_bytes())
     result = {"path": str(path), "name": path.name, "sha256": sha256_file(path)}
-    stamp.write_text(json.dumps({"source": source_digest, "name": path.name, "sha256": result["sha256"]}))
+    doc = json.dumps({"source": source_digest, "name": path.name, "sha256": result["sha256"]}).encode()
+    atomic_write_bytes(stamp, doc)
     return result
 
 

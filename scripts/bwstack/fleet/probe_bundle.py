@@ -9,6 +9,7 @@ from functools import cache
 from pathlib import Path
 
 import bwstack
+from bwstack.fsutil import atomic_write_bytes
 
 # The probe is the package bwstack.probe, whole: its boundary is the folder (and the import-layer test keeps it
 # standard library only), not a list of file names to keep in step.
@@ -42,6 +43,7 @@ def digest() -> str:
 
 
 def write(path: str | Path) -> Path:
+    """Into a new file beside `path` (mkstemp), renamed over it: a link at `path` is replaced, not followed."""
     path = Path(path)
-    path.write_bytes(build())
+    atomic_write_bytes(path, build())
     return path

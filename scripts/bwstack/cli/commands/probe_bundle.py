@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from bwstack.cli.console import Console
+from bwstack.errors import UsageError
 
 NAME = "probe-bundle"
 HELP = "write the probe zipapp (what the playbooks ship to nodes)"
@@ -17,5 +18,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from bwstack.fleet import probe_bundle
 
-    Console().text(str(probe_bundle.write(args.out)))
+    try:
+        written = probe_bundle.write(args.out)
+    except OSError as exc:
+        raise UsageError(f"--out {args.out}: cannot be written there ({exc.strerror})") from None
+    Console().text(str(written))
     return 0
