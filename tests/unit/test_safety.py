@@ -284,6 +284,23 @@ def tiny_fs(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+def test_archive_replaces_links_left_at_its_names_instead_of_writing_through_them(stack, tmp_path):
+    """The archive's folder may be a share others can write: links at the archive's, its sidecar's and the
+    old partial file's names must not turn root's writes to the files they lead to."""
+    stack.build("fixture-old", check=True)
+    shared, victims = tmp_path / "shared", tmp_path / "victims"
+    shared.mkdir()
+    victims.mkdir()
+    archive = shared / "gen.tar.zst"
+    for suffix in ("", ".sha256", ".partial"):
+        (victims / f"v{suffix}").write_text("root's file")
+        Path(f"{archive}{suffix}").symlink_to(victims / f"v{suffix}")
+    stack.run("backup", "--archive", str(archive), "--json", check=True)
+    assert [p.read_text() for p in sorted(victims.iterdir())] == ["root's file"] * 3
+    assert not archive.is_symlink() and not Path(f"{archive}.sha256").is_symlink()
+    assert archive.stat().st_mode & 0o777 == 0o644
+
+
 def test_archive_to_a_full_disk_fails_cleanly_and_leaves_no_partial_file(stack, tiny_fs):
     stack.build("fixture-old", check=True)
     big = next(_store(stack).active().env.glob("lib/python3.*/site-packages")) / "padding.bin"

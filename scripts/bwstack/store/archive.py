@@ -29,6 +29,7 @@ import os
 import posixpath
 import stat
 import tarfile
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from pathlib import Path
 import zstandard
 
 from bwstack.errors import BwstackError, IntegrityError, UsageError
+from bwstack.fsutil import atomic_write_bytes
 from bwstack.probe import treecheck
 from bwstack.store import manifest
 from bwstack.store.generations import (
@@ -78,12 +80,17 @@ class _HashingWriter(io.RawIOBase):
 
 
 def write_archive(gen: Generation, path: Path, level: int = 3) -> dict:
-    """Stream the generation as tar + zstd to `path`, with `path`.sha256 beside it. All or nothing."""
+    """Stream the generation as tar + zstd to `path`, with `path`.sha256 beside it. All or nothing. Both are
+    written as new files (mkstemp) renamed into place: the folder may be a NAS share others can write, and a link
+    left at a predictable name must not turn root's write to somewhere else."""
     path = Path(path).absolute()
-    partial = path.with_name(path.name + ".partial")
     started = time.perf_counter()
+    partial = None
     try:
-        with open(partial, "wb") as raw:
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+        partial = Path(name)
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "wb") as raw:
             hashing = _HashingWriter(raw)
             compressor = zstandard.ZstdCompressor(level=level, threads=-1)
             with (
@@ -102,18 +109,19 @@ def write_archive(gen: Generation, path: Path, level: int = 3) -> dict:
             raw.flush()
             os.fsync(raw.fileno())
         sha = hashing.digest.hexdigest()
-        sidecar = path.with_name(path.name + ".sha256")
-        sidecar.write_text(f"{sha}  {path.name}\n")
+        atomic_write_bytes(path.with_name(path.name + ".sha256"), f"{sha}  {path.name}\n".encode())
         os.replace(partial, path)
     except OSError as exc:
-        partial.unlink(missing_ok=True)
+        if partial is not None:
+            partial.unlink(missing_ok=True)
         if exc.errno == errno.ENOSPC:
             raise BwstackError(
                 f"disk full while writing {path}; removed the partial archive, nothing else changed"
             ) from None
         raise BwstackError(f"cannot write {path}: {exc.strerror}") from None
     except BaseException:
-        partial.unlink(missing_ok=True)
+        if partial is not None:
+            partial.unlink(missing_ok=True)
         raise
     return {"archive": str(path), "sha256": sha, "bytes": path.stat().st_size, "seconds": time.perf_counter() - started}
 
