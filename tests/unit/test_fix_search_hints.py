@@ -250,3 +250,33 @@ def test_the_fix_search_probe_on_an_unchanged_generation_folds_its_answer_into_t
     kept = sealed.load_derived(env, job_key)
     assert assemble.already_planned(kept, [run["requests"][2]]) is not None
     assert assemble.already_planned(kept, [run["requests"][0]]) is not None
+
+
+@needs_py312
+def test_a_plan_observed_after_the_generation_changed_is_kept_under_no_sealed_key(built, capsys, monkeypatch):
+    """The verify hands its basis on to skip the fix search's walk; had the generation changed meanwhile, the
+    plan SGLang makes is of another tree, and a later verify (after the drift was repaired) must not reuse it."""
+    run = recorded("gpt-oss-20b-tp8-sm120")["runs"][0]
+    env = built.ml_env
+    verify_job = {"device": DEVICE, "requests": [run["requests"][0]]}
+    gpu, cuda, basis = [], {"home": "/usr/local/cuda-12.8"}, sealed.basis(env)
+    job_key = node.plan_key(env, verify_job, gpu, cuda)
+    sealed.save_derived(env, job_key, _split(run, 0))
+    ask = {"device": run["device"], "requests": [run["requests"][2]]}
+    site = next(env.resolve().glob("lib/python3.*/site-packages"))
+
+    class Observed:
+        def as_dict(self) -> dict:
+            return _split(run, 2)
+
+    def observe_a_changed_tree(*_args, **_kwargs) -> Observed:
+        (site / "dropped.pth").write_text("")  # root can still write into a sealed generation
+        return Observed()
+
+    monkeypatch.setattr(node, "observe", observe_a_changed_tree)
+    reuse = {"basis": basis, "gpu": gpu, "cuda": cuda}
+    assert node.main(["--env", str(env), json.dumps({**ask, "hint_for": verify_job, "reuse": reuse})]) == 0
+    assert json.loads(capsys.readouterr().out)["requests"] == [run["requests"][2]]
+    ask_key = sealed.derived_key(None, "serve-plan-job", ask, gpu, cuda, base=basis)
+    assert sealed.load_derived(env, ask_key) is None
+    assert sealed.load_derived(env, job_key) == _split(run, 0)

@@ -633,6 +633,10 @@ def main(argv: list[str]) -> int:
     result = sealed.load_derived(env, key)
     if result is None:
         result = observe(env, resolve_device(job["device"], env), job["requests"], cuda=cuda).as_dict()
+        if key is not None and sealed.unchanged_generation(env) is not None:
+            # Changed since the basis was taken (handed on by the verify, or checked above): this plan is of
+            # another tree than the sealed one its key names, so it is neither kept nor folded.
+            key = None
         sealed.save_derived(env, key, result)
     if isinstance(asked_after, dict):
         remember_asked(env, asked_after, job["requests"])
