@@ -5,6 +5,7 @@ Tests import from here, never from another test module or from conftest (which h
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -46,6 +47,12 @@ def bwstack(
             f"bwstack {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}"
         )
     return result
+
+
+def vouched(archive: Path) -> list[str]:
+    """`--sha256 <the archive's>`: what an operator gives `restore` for an archive another store wrote, after
+    comparing it with what `bwstack backup --archive` printed there."""
+    return ["--sha256", hashlib.sha256(Path(archive).read_bytes()).hexdigest()]
 
 
 def have_python312() -> bool:

@@ -20,8 +20,10 @@ from pathlib import Path
 
 import pytest
 import zstandard
-from helpers import bwstack, needs_py312
+from helpers import bwstack, needs_py312, vouched
 
+from bwstack.errors import IntegrityError
+from bwstack.store import archive as archive_module
 from bwstack.store.generations import Store
 from bwstack.store.layout import Layout
 from fixtures import fakestack
@@ -262,7 +264,9 @@ def world(tmp_path_factory):
     sentinel = tmp / "sentinel"
     (sentinel / "d").mkdir(parents=True)
     (sentinel / "f").write_text("sentinel\n")
-    return {"tmp": tmp, "run": run, "base": base, "sentinel": sentinel, "env": env}
+    return {
+        "tmp": tmp, "run": run, "base": base, "sentinel": sentinel, "env": env, "lock": lock, "wheelhouse": wheelhouse,
+    }  # fmt: skip
 
 
 def _active(world) -> str:
@@ -281,7 +285,7 @@ def test_a_hostile_archive_is_refused_in_one_line_and_writes_nothing_outside_the
     archive = copy.deepcopy(_read(world["base"]))
     bend(archive, world["sentinel"])
     path = archive.write(world["tmp"] / f"{case}.tar.zst")
-    result = world["run"]("restore", str(path))
+    result = world["run"]("restore", str(path), *vouched(path))  # vouched for: what follows must refuse it anyway
     assert result.returncode in (2, 5), result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, lines
@@ -299,7 +303,7 @@ def test_a_truncated_archive_is_refused_in_one_line(world):
     data = world["base"].read_bytes()
     path = world["tmp"] / "truncated.tar.zst"
     path.write_bytes(data[: len(data) // 3])
-    result = world["run"]("restore", str(path))
+    result = world["run"]("restore", str(path), *vouched(path))
     assert result.returncode == 5 and len(result.stderr.strip().splitlines()) == 1
     assert "not a readable bwstack archive" in result.stderr
 
@@ -323,7 +327,9 @@ def test_restored_files_belong_to_the_store_owner_whatever_the_archive_says(worl
     # into a store of its own: in the world's store the same content already exists (a no-op)
     other_root = world["tmp"] / "owner-root"
     env = {**world["env"], "BWSTACK_ROOT": str(other_root), "BWSTACK_ML_ENV": str(world["tmp"] / "owner-env")}
-    result = bwstack("restore", str(path), "--no-switch", "--json", env={**env, "BWSTACK_CUDA_LINK": "none"})
+    result = bwstack(
+        "restore", str(path), *vouched(path), "--no-switch", "--json", env={**env, "BWSTACK_CUDA_LINK": "none"}
+    )
     assert result.returncode == 0, result.stderr
     restored = Path(other_root, "generations", json.loads(result.stdout)["generation"])
     owners = {(p.lstat().st_uid, p.lstat().st_gid) for p in restored.rglob("*")}
@@ -347,8 +353,70 @@ def test_the_verification_state_is_computed_on_restore_never_copied(world):
     env = {**world["env"], "BWSTACK_ROOT": str(world["tmp"] / "verif-root"), "BWSTACK_CUDA_LINK": "none"}
     env["BWSTACK_ML_ENV"] = str(world["tmp"] / "verif-env")
     path = archive.write(world["tmp"] / "lying-record.tar.zst")
-    result = bwstack("restore", str(path), "--no-switch", "--json", env=env)
+    result = bwstack("restore", str(path), *vouched(path), "--no-switch", "--json", env=env)
     assert result.returncode == 0, result.stderr
     verification = json.loads(result.stdout)["verification"]
     assert verification["status"] == "failed"
     assert "torch 2.9.1" in json.dumps(verification["checks"])
+
+
+# ------------------------------------------------------------------------------------------------ vouching
+
+
+def _elsewhere(world, name: str) -> dict:
+    """Another node's store: it did not write the world's archives."""
+    return {
+        **world["env"],
+        "BWSTACK_ROOT": str(world["tmp"] / f"{name}-root"),
+        "BWSTACK_ML_ENV": str(world["tmp"] / f"{name}-env"),
+        "BWSTACK_CUDA_LINK": "none",
+    }
+
+
+def test_an_archive_nothing_vouches_for_is_refused_before_anything_of_it_runs(world):
+    """Restoring starts the archived interpreter and imports its torch as root: a .pth in it would run. The
+    .sha256 beside it vouches for nothing, as whoever could change the archive could change that too."""
+    env = _elsewhere(world, "unvouched")
+    result = bwstack("restore", str(world["base"]), "--no-switch", env=env)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "nothing vouches for this archive" in result.stderr and "--sha256" in result.stderr
+    generations = Path(env["BWSTACK_ROOT"]) / "generations"
+    assert not generations.exists() or list(generations.iterdir()) == []
+
+
+def test_a_sha256_given_that_is_not_the_archives_is_refused_in_one_line(world):
+    env = _elsewhere(world, "mismatch")
+    result = bwstack("restore", str(world["base"]), "--sha256", "0" * 64, "--no-switch", env=env)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "not the " + "0" * 64 in result.stderr
+
+
+def test_an_archive_this_store_wrote_is_restored_without_being_told_its_hash(world):
+    """The store keeps the sha256 of every archive it writes (archives.jsonl): a node restoring its own backup
+    after the generation was removed needs nothing more."""
+    env = _elsewhere(world, "own")
+    own = lambda *a, **k: bwstack("--lock", str(world["lock"]), *a, env=env, **k)  # noqa: E731
+    own("build", "--profile", "fixture-old", "--wheelhouse", str(world["wheelhouse"]), check=True)
+    archive = world["tmp"] / "own.tar.zst"
+    own("backup", "--archive", str(archive), check=True)
+    own("build", "--profile", "fixture-new", "--wheelhouse", str(world["wheelhouse"]), check=True)
+    assert json.loads(own("prune", "--keep", "1", "--json", check=True).stdout)["removed"]
+    result = own("restore", str(archive), "--no-switch", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["changed"] is True
+
+
+def test_bytes_other_than_the_vouched_ones_are_refused_however_the_file_came_to_hold_them(world, tmp_path):
+    """The second pass (extraction) hashes what it reads: an archive rewritten in place on a share after it was
+    hashed is refused before anything of it runs."""
+    (tmp_path / "other").mkdir()
+    (tmp_path / "vouched").mkdir()
+    fd = os.open(world["base"], os.O_RDONLY)
+    try:
+        scan = archive_module._scan(fd)
+        with pytest.raises(IntegrityError, match="changed while it was being restored"):
+            archive_module._extract(fd, scan, tmp_path / "other", "0" * 64)
+        digest = hashlib.sha256(world["base"].read_bytes()).hexdigest()
+        archive_module._extract(fd, scan, tmp_path / "vouched", digest)  # the same pass, the vouched bytes: fine
+    finally:
+        os.close(fd)

@@ -157,7 +157,10 @@ def test_restore_from_an_archive_on_a_clean_root_imports(real, tmp_path):
     result = json.loads(real.run("backup", "--archive", str(archive), "--json", check=True, timeout=1800).stdout)
     print(f"\narchive: {result['archive']['bytes'] / 2**30:.2f} GiB in {result['archive']['seconds']:.1f} s")
     clean = {"BWSTACK_ROOT": str(tmp_path / "new-root"), "BWSTACK_ML_ENV": str(tmp_path / "new-ml-env")}
-    restored = real.run("restore", str(archive), "--json", check=True, timeout=1800, extra_env=clean)
+    restored = real.run(
+        "restore", str(archive), "--sha256", result["archive"]["sha256"], "--json", check=True, timeout=1800,
+        extra_env=clean,
+    )  # fmt: skip
     facts = json.loads(restored.stdout)["switch"]["post_check"]
     assert (facts["torch"], facts["torch_cuda"]) == ("2.9.1+cu128", "12.8")
     shutil.rmtree(tmp_path / "new-root", ignore_errors=True)

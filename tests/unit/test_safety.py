@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import needs_py312
+from helpers import needs_py312, vouched
 
 from bwstack.store.generations import Store
 from bwstack.store.layout import Layout
@@ -205,7 +205,7 @@ def test_archive_restores_on_a_clean_root_and_imports(stack, tmp_path):
         "BWSTACK_ML_ENV": str(tmp_path / "new-ml-env"),
         "BWSTACK_CUDA_LINK": "none",
     }
-    restored = stack.run("restore", str(archive), "--json", check=True, extra_env=clean)
+    restored = stack.run("restore", str(archive), *vouched(archive), "--json", check=True, extra_env=clean)
     payload = json.loads(restored.stdout)
     assert payload["switch"]["post_check"]["torch"] == "2.9.1"
     python = str(tmp_path / "new-ml-env" / "bin" / "python")
@@ -226,7 +226,7 @@ def test_a_restored_generation_does_not_take_the_archives_recorded_facts_on_trus
         "BWSTACK_ML_ENV": str(tmp_path / "new-ml-env"),
         "BWSTACK_CUDA_LINK": "none",
     }
-    stack.run("restore", str(archive), check=True, extra_env=clean)
+    stack.run("restore", str(archive), *vouched(archive), check=True, extra_env=clean)
     gen = sealed.generation_of(tmp_path / "new-ml-env")
     assert gen is not None and not (gen / sealed.FACTS_NAME).exists()
     static, why = sealed.load_static(tmp_path / "new-ml-env", "12.0")
@@ -258,11 +258,11 @@ def test_sigkill_during_a_restore_leaves_history_consistent_with_current_and_a_r
         "BWSTACK_CUDA_LINK": "none",
     }
     stack.build("fixture-new", check=True, extra_env=env)
-    killed = stack.run("restore", str(archive), extra_env=env | {"BWSTACK_TEST_KILL_AT": point})
+    killed = stack.run("restore", str(archive), *vouched(archive), extra_env=env | {"BWSTACK_TEST_KILL_AT": point})
     assert killed.returncode == -signal.SIGKILL
     store = Store(Layout(tmp_path / "other", tmp_path / "other-env", None, None))
     assert store.history()[-1]["to"] == store.active().name
-    stack.run("restore", str(archive), check=True, extra_env=env)
+    stack.run("restore", str(archive), *vouched(archive), check=True, extra_env=env)
     assert Store(Layout(tmp_path / "other", tmp_path / "other-env", None, None)).active().profile == "fixture-old"
 
 

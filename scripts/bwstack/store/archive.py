@@ -27,6 +27,7 @@ import io
 import json
 import os
 import posixpath
+import re
 import stat
 import tarfile
 import tempfile
@@ -79,7 +80,7 @@ class _HashingWriter(io.RawIOBase):
         return self.handle.write(data)
 
 
-def write_archive(gen: Generation, path: Path, level: int = 3) -> dict:
+def write_archive(store: Store, gen: Generation, path: Path, level: int = 3) -> dict:
     """Stream the generation as tar + zstd to `path`, with `path`.sha256 beside it. All or nothing. Both are
     written as new files (mkstemp) renamed into place: the folder may be a NAS share others can write, and a link
     left at a predictable name must not turn root's write to somewhere else."""
@@ -123,7 +124,66 @@ def write_archive(gen: Generation, path: Path, level: int = 3) -> dict:
         if partial is not None:
             partial.unlink(missing_ok=True)
         raise
+    _remember_written(store, {"sha256": sha, "archive": str(path), "generation": gen.name, "at": now_iso()})
     return {"archive": str(path), "sha256": sha, "bytes": path.stat().st_size, "seconds": time.perf_counter() - started}
+
+
+# ------------------------------------------------------------------------------------------------ vouch
+
+MAX_LEDGER_BYTES = 16 << 20
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def _remember_written(store: Store, entry: dict) -> None:
+    """One line in the store's ledger of archives it wrote (appended, never through a link)."""
+    ledger = store.layout.archives
+    try:
+        fd = os.open(ledger, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            os.write(fd, (json.dumps(entry) + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise BwstackError(
+            f"wrote {entry['archive']} but cannot record it in {ledger} ({exc.strerror}): restoring it will need "
+            f"--sha256 {entry['sha256']}"
+        ) from None
+
+
+def _written_here(store: Store) -> set[str]:
+    """The sha256 of the archives this store's ledger names (none, when it is missing, damaged or not a plain
+    file: nothing is vouched for then, and --sha256 says what is)."""
+    try:
+        text = treecheck.read_bounded(store.layout.archives, MAX_LEDGER_BYTES, "an archive ledger").decode()
+    except (OSError, ValueError):
+        return set()
+    found = set()
+    for line in text.splitlines():
+        try:
+            sha = json.loads(line).get("sha256")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(sha, str) and SHA256_HEX.fullmatch(sha):
+            found.add(sha)
+    return found
+
+
+def _vouch(store: Store, path: Path, digest: str, given: str | None) -> None:
+    """Restoring runs the archived env's code as root (its interpreter starts, torch is imported; later the node
+    serves from it), so an archive is restored only when something other than the archive vouches for it: the
+    sha256 the operator gives, or this store's record of having written it. The .sha256 beside it does not:
+    whoever could change the archive could change that too."""
+    if given is not None:
+        if given != digest:
+            raise UsageError(f"{path}: its sha256 is {digest}, not the {given} given with --sha256; nothing restored")
+        return
+    if digest not in _written_here(store):
+        raise UsageError(
+            f"{path}: nothing vouches for this archive (sha256 {digest}): this store did not write it, and "
+            f"restoring runs its code as root; compare that hash with the one `bwstack backup --archive` printed "
+            f"(or {store.layout.archives.name} holds) where it was written, then give it with --sha256"
+        )
 
 
 # ------------------------------------------------------------------------------------------------ validate
@@ -205,12 +265,35 @@ def _check_member(info: tarfile.TarInfo, name: str, seen: dict[str, Member]) -> 
     return Member.of(info, name, target)
 
 
-def _open_stream(fd: int) -> Iterator[tarfile.TarInfo]:
+class _HashingReader(io.RawIOBase):
+    """The archive's bytes as the decompressor reads them, hashed on the way."""
+
+    def __init__(self, handle, digest) -> None:
+        self.handle = handle
+        self.digest = digest
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        n = self.handle.readinto(buffer)
+        if n:
+            self.digest.update(memoryview(buffer)[:n])
+        return n
+
+
+def _open_stream(fd: int, digest=None) -> Iterator[tarfile.TarInfo]:
+    """The members, read from the start; with `digest`, every byte of the file is hashed into it (the rest after
+    the last member too), so a pass can tell that it read the bytes that were vouched for."""
     os.lseek(fd, 0, os.SEEK_SET)
     raw = os.fdopen(os.dup(fd), "rb")
-    with raw, zstandard.ZstdDecompressor().stream_reader(raw) as zst, tarfile.open(fileobj=zst, mode="r|") as tar:
+    source = raw if digest is None else _HashingReader(raw, digest)
+    with raw, zstandard.ZstdDecompressor().stream_reader(source) as zst, tarfile.open(fileobj=zst, mode="r|") as tar:
         for info in tar:
             yield info, tar
+        if digest is not None:
+            while source.read(COPY_CHUNK):
+                pass
 
 
 @dataclass
@@ -307,11 +390,15 @@ class _Extractor:
             os.fchmod(self.dir_fd(member.name), member.mode | 0o500)
 
 
-def _extract(fd: int, scan: _Scan, building: Path) -> None:
+def _extract(fd: int, scan: _Scan, building: Path, vouched: str) -> None:
+    """Second pass: the members the first pass validated, written under `building`; the bytes read must be the
+    ones vouched for (a file rewritten in place on a share since it was hashed is refused before anything of it
+    runs)."""
     expected = iter(scan.members)
     extractor = _Extractor(building)
+    read = hashlib.sha256()
     try:
-        for info, tar in _open_stream(fd):
+        for info, tar in _open_stream(fd, read):
             name = _relative_name(info.name)
             if not name:
                 continue
@@ -320,7 +407,7 @@ def _extract(fd: int, scan: _Scan, building: Path) -> None:
             if want is None or Member.of(info, name, target) != want:
                 raise IntegrityError("the archive changed while it was being restored; refusing it")
             extractor.create(want, tar.extractfile(info) if want.kind == "f" else None)
-        if next(expected, None) is not None:
+        if next(expected, None) is not None or read.hexdigest() != vouched:
             raise IntegrityError("the archive changed while it was being restored; refusing it")
         extractor.finish_dirs(scan.members)
     finally:
@@ -343,20 +430,26 @@ def _open_archive(path: Path) -> int:
     return fd
 
 
-def _check_sidecar(path: Path, fd: int, log) -> None:
-    sidecar = path.with_name(path.name + ".sha256")
-    if not sidecar.is_file():
-        log(f"warning: no {sidecar.name} beside the archive; relying on the manifest inside it")
-        return
-    words = sidecar.read_text(errors="replace").split()
-    want = words[0] if words else ""
+def _sha256_of(fd: int) -> str:
     digest = hashlib.sha256()
     os.lseek(fd, 0, os.SEEK_SET)
     while chunk := os.read(fd, 4 << 20):
         digest.update(chunk)
-    if digest.hexdigest() != want:
+    return digest.hexdigest()
+
+
+def _check_sidecar(path: Path, digest: str, log) -> None:
+    """The .sha256 beside the archive, when there is one, catches a copy damaged on its way (not a forgery)."""
+    sidecar = path.with_name(path.name + ".sha256")
+    text = treecheck.read_text(sidecar, 4096)
+    if text is None:
+        log(f"warning: no readable {sidecar.name} beside the archive; relying on the manifest inside it")
+        return
+    words = text.split()
+    want = words[0] if words else ""
+    if digest != want:
         raise IntegrityError(
-            f"{path}: sha256 {digest.hexdigest()} does not match {sidecar.name} ({want[:64]}); refusing to restore"
+            f"{path}: sha256 {digest} does not match {sidecar.name} ({want[:64]}); refusing to restore"
         )
 
 
@@ -390,13 +483,16 @@ def _parse_metadata(scan: _Scan) -> tuple[dict, manifest.Manifest]:
     return record, doc
 
 
-def restore(store: Store, path: Path, *, switch: bool = True, log=print) -> dict:
-    """Bring an archived generation back on this node as a new generation, verified byte for byte."""
+def restore(store: Store, path: Path, *, sha256: str | None = None, switch: bool = True, log=print) -> dict:
+    """Bring an archived generation back on this node as a new generation, verified byte for byte, once something
+    vouches for it (`sha256`, or this store's ledger: `_vouch`)."""
     path = Path(path)
     started = time.perf_counter()
     fd = _open_archive(path)
     try:
-        _check_sidecar(path, fd, log)
+        vouched = _sha256_of(fd)
+        _check_sidecar(path, vouched, log)
+        _vouch(store, path, vouched, sha256)
         try:
             scan = _scan(fd)
         except (tarfile.TarError, zstandard.ZstdError, EOFError, UnicodeError) as exc:
@@ -424,7 +520,7 @@ def restore(store: Store, path: Path, *, switch: bool = True, log=print) -> dict
         building = store.begin(f"{gen_id:04d}-restore")
         try:
             try:
-                _extract(fd, scan, building)
+                _extract(fd, scan, building, vouched)
             except (tarfile.TarError, zstandard.ZstdError, EOFError) as exc:
                 raise IntegrityError(f"{path}: not a readable bwstack archive ({str(exc)[:200]})") from None
             return _commit_restored(store, building, path, record, doc, gen_id, switch, started, log)

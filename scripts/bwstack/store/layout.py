@@ -73,6 +73,11 @@ class Layout:
         return self.root / "history.jsonl"
 
     @property
+    def archives(self) -> Path:
+        """The sha256 of every archive this store wrote: what `restore` takes as vouched for without --sha256."""
+        return self.root / "archives.jsonl"
+
+    @property
     def cache(self) -> Path:
         return self.cache_dir if self.cache_dir is not None else self.root / "cache"
 

@@ -32,10 +32,11 @@ def run(args: argparse.Namespace) -> int:
             gen = store.active()
             if gen is None:
                 raise UsageError("nothing to archive: no active generation")
-            result["archive"] = archive.write_archive(gen, Path(args.archive))
+            result["archive"] = archive.write_archive(store, gen, Path(args.archive))
     text = f"{result['action']}: {result.get('generation')}"
     if args.archive:
         written = result["archive"]
-        text += f"; archive {written['archive']} ({written['bytes'] >> 20} MiB, sha256 {written['sha256'][:16]}...)"
+        # Whole: a restore on another node needs it (--sha256) to know the archive is the one written here.
+        text += f"; archive {written['archive']} ({written['bytes'] >> 20} MiB, sha256 {written['sha256']})"
     console.result(result, text)
     return 0

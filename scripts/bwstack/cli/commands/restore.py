@@ -15,6 +15,12 @@ HELP = "bring an archived generation back and switch to it"
 def add_options(p: argparse.ArgumentParser) -> None:
     options.add_node(p)
     p.add_argument("archive")
+    p.add_argument(
+        "--sha256",
+        type=options.sha256_digest,
+        help="the archive's sha256 as `bwstack backup --archive` printed it where it was written (needed unless "
+        "this store wrote the archive: restoring runs its code as root)",
+    )
     p.add_argument("--no-switch", action="store_true")
 
 
@@ -24,6 +30,8 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console.of(args)
     with open_store(options.layout(args), console.log) as store:
-        result = archive.restore(store, Path(args.archive), switch=not args.no_switch, log=console.log)
+        result = archive.restore(
+            store, Path(args.archive), sha256=args.sha256, switch=not args.no_switch, log=console.log
+        )
     console.result(result, f"restored {result['generation']}" if result.get("changed", True) else result["note"])
     return 0
