@@ -19,18 +19,20 @@ def fsync_dir(path: Path) -> None:
 
 def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o644, owner: tuple[int, int] | None = None) -> None:
     """Replace `path` with `data` so that readers see the old or the new content, never a mix. A new inode:
-    a hard link to the old file elsewhere (uv's cache, another generation) keeps the old content."""
+    a hard link to the old file elsewhere (uv's cache, another generation) keeps the old content. Mode and owner
+    are set through the open file, never by name: in a folder others can write, the temporary name could be
+    made a link to another file between the write and a chmod."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
+            os.fchmod(handle.fileno(), mode)
+            if owner is not None and owner != (os.geteuid(), os.getegid()):
+                with contextlib.suppress(PermissionError):  # not root: the file becomes ours, as any rewrite would
+                    os.fchown(handle.fileno(), *owner)
             os.fsync(handle.fileno())
-        os.chmod(tmp, mode)
-        if owner is not None and owner != (os.geteuid(), os.getegid()):
-            with contextlib.suppress(PermissionError):  # not root: the file becomes ours, as any rewrite would
-                os.chown(tmp, *owner)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -149,6 +149,28 @@ def _remote_probe(host) -> str:
     return remote
 
 
+# Runs the probe from the bytes it hashed: the file is read once, checked against the bundle's sha256 and run
+# from a private in-memory copy (memfd), so nothing that changes the file after the check (whoever could write a
+# folder above it) changes what runs.
+_BOOTSTRAP = """import hashlib, os, runpy, sys
+path, want = sys.argv[1], sys.argv[2]
+fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+with os.fdopen(fd, "rb") as handle:
+    data = handle.read(64 << 20)
+if hashlib.sha256(data).hexdigest() != want:
+    sys.exit(path + ": not the probe bwstack placed there (it changed after it was placed); run again")
+copy = os.memfd_create("bwstack-probe")
+os.write(copy, data)
+sys.argv = [path] + sys.argv[3:]
+runpy.run_path("/proc/self/fd/%d" % copy, run_name="__main__")
+"""
+
+
+def _probe_command(python: str, remote: str, args: list[str]) -> str:
+    words = [python, "-c", _BOOTSTRAP, remote, probe_bundle.sha256(), *args]
+    return " ".join(shlex.quote(w) for w in words)
+
+
 def _python(host, env: str | None) -> str:
     python_cmd = (
         f"p={shlex.quote(env or '')}/bin/python; "
@@ -204,7 +226,7 @@ def collect(host, config: pytest.Config, capability: str, serve_plan: dict | Non
     if serve_plan:
         args += ["--serve-plan", json.dumps(serve_plan)]
     python = _python(host, env)
-    command = f"{shlex.quote(python)} {remote} {' '.join(shlex.quote(a) for a in args)}"
+    command = _probe_command(python, remote, args)
     return _facts_of(host, _run(host, command, expect_ok=False), "the bwstack probe", read=schema.parse)
 
 
@@ -212,7 +234,7 @@ def run_serve_plan(host, config: pytest.Config, env_path: str, job: dict) -> dic
     """Plan more requests on the node (the fix search plans the model again with candidate flags)."""
     remote = _remote_probe(host)
     python = _python(host, config.getoption("--stack-env"))
-    command = f"{shlex.quote(python)} {remote} serve-plan --env {shlex.quote(env_path)} {shlex.quote(json.dumps(job))}"
+    command = _probe_command(python, remote, ["serve-plan", "--env", env_path, json.dumps(job)])
     return _facts_of(host, _run(host, command, expect_ok=False), "serve-plan")
 
 

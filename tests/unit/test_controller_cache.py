@@ -77,6 +77,33 @@ def test_a_folder_that_is_not_this_users_is_refused_in_one_line(tmp_path, kind):
     assert list(real.iterdir()) == []
 
 
+def test_missing_folders_are_made_for_this_user_alone_whatever_the_umask(tmp_path):
+    done = subprocess.run(
+        f"umask 002; {sys.executable} -m bwstack --lock {REPO / 'stack.lock.yaml'} controller-facts "
+        f"--probe-dir {tmp_path / 'home' / '.cache' / 'bwstack'}",
+        shell=True, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    for folder in (tmp_path / "home", tmp_path / "home" / ".cache", tmp_path / "home" / ".cache" / "bwstack"):
+        assert folder.stat().st_mode & 0o777 == 0o700, folder
+
+
+@pytest.mark.parametrize("kind", ["world-writable", "another-owner"])
+def test_a_folder_above_that_others_could_replace_is_refused_in_one_line(tmp_path, kind):
+    """Whoever can write a folder above the cache can move the cache aside and put their own in its place."""
+    above = tmp_path / "above"
+    (above / "cache").mkdir(parents=True)
+    if kind == "world-writable":
+        os.chmod(above, 0o777)
+    elif os.geteuid() == 0:
+        os.chown(above, 65534, 65534)
+    else:
+        pytest.skip("needs root to give the folder to another user")
+    done = _facts("--probe-dir", str(above / "cache"))
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert str(above) in done.stderr and list((above / "cache").iterdir()) == []
+
+
 def test_the_wheel_stamp_is_trusted_for_nothing_it_cannot_be(tmp_path):
     """A FIFO in place of the stamp (it hung the command) and then a stamp that names a wheel outside the folder,
     with that wheel's true hash and the checkout's true source digest: neither is used, each is built again."""

@@ -407,16 +407,44 @@ def test_an_archive_this_store_wrote_is_restored_without_being_told_its_hash(wor
 
 
 def test_bytes_other_than_the_vouched_ones_are_refused_however_the_file_came_to_hold_them(world, tmp_path):
-    """The second pass (extraction) hashes what it reads: an archive rewritten in place on a share after it was
-    hashed is refused before anything of it runs."""
+    """Both passes hash what they read: an archive rewritten in place on a share after it was hashed (a race an
+    attacker's read won on the first pass, switching a node to an older generation) is refused before anything
+    of it is acted on."""
     (tmp_path / "other").mkdir()
     (tmp_path / "vouched").mkdir()
     fd = os.open(world["base"], os.O_RDONLY)
     try:
-        scan = archive_module._scan(fd)
+        with pytest.raises(IntegrityError, match="changed while it was being restored"):
+            archive_module._scan(fd, "0" * 64)  # the first pass: it decides the record kept and where to switch
+        scan = archive_module._scan(fd, hashlib.sha256(world["base"].read_bytes()).hexdigest())
         with pytest.raises(IntegrityError, match="changed while it was being restored"):
             archive_module._extract(fd, scan, tmp_path / "other", "0" * 64)
         digest = hashlib.sha256(world["base"].read_bytes()).hexdigest()
         archive_module._extract(fd, scan, tmp_path / "vouched", digest)  # the same pass, the vouched bytes: fine
     finally:
         os.close(fd)
+
+
+def test_a_sidecar_that_disagrees_with_a_matching_sha256_is_a_warning_and_never_shown(world):
+    """A run stopped between writing the archive and its sidecar, or a sidecar that is a link to another file:
+    the --sha256 the operator gives outranks it, and what the sidecar holds is not printed."""
+    secret = world["tmp"] / "secret"
+    secret.write_text("root:secret-hash\n")
+    path = world["tmp"] / "sidecar-link.tar.zst"
+    path.write_bytes(world["base"].read_bytes())
+    Path(f"{path}.sha256").symlink_to(secret)
+    env = _elsewhere(world, "sidecar")
+    result = bwstack("restore", str(path), *vouched(path), "--no-switch", "--json", env=env)
+    assert result.returncode == 0, result.stderr
+    assert "secret" not in result.stderr + result.stdout and "no readable" in result.stderr
+    Path(f"{path}.sha256").unlink()
+    Path(f"{path}.sha256").write_text("f" * 64 + "  sidecar-link.tar.zst\n")
+    other = _elsewhere(world, "sidecar-stale")
+    result = bwstack("restore", str(path), *vouched(path), "--no-switch", "--json", env=other)
+    assert result.returncode == 0 and "the --sha256 given does" in result.stderr, result.stderr
+
+
+def test_an_archive_path_that_is_a_directory_is_refused_in_one_line(world, tmp_path):
+    result = world["run"]("backup", "--archive", str(tmp_path))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "a directory" in result.stderr and list(tmp_path.iterdir()) == []

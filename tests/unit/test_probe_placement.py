@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,3 +94,22 @@ def test_a_folder_another_user_owns_is_refused(home):
     os.chown(_folder(home), 65534, 65534)
     with pytest.raises(HostUnavailable, match="is not a directory of"):
         _place()
+
+
+def test_the_probe_runs_from_the_bytes_it_was_checked_against(home):
+    placed = _place()
+    command = _infra()._probe_command(sys.executable, str(placed), ["--help"])
+    done = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "bwstack-probe" in done.stdout, done.stderr
+
+
+def test_a_probe_changed_after_it_was_placed_is_not_run(home, tmp_path):
+    """Whoever could write a folder above the probe could swap it between the placement's check and the run:
+    the run checks the bytes it runs."""
+    placed = _place()
+    marker = tmp_path / "ran"
+    placed.write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    command = _infra()._probe_command(sys.executable, str(placed), ["--help"])
+    done = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "changed after it was placed" in done.stderr
+    assert not marker.exists()

@@ -242,7 +242,7 @@ def test_a_corrupted_archive_is_refused_and_nothing_is_switched(stack, tmp_path)
     archive.write_bytes(bytes(data))
     clean = {"BWSTACK_ROOT": str(tmp_path / "r"), "BWSTACK_ML_ENV": str(tmp_path / "m"), "BWSTACK_CUDA_LINK": "none"}
     result = stack.run("restore", str(archive), extra_env=clean)
-    assert result.returncode == 5 and "does not match" in result.stderr
+    assert result.returncode == 5 and "is not the one in gen.tar.zst.sha256" in result.stderr
     assert not (tmp_path / "m").exists()
 
 
@@ -321,3 +321,20 @@ def test_a_build_on_a_full_disk_fails_cleanly_and_switches_nothing(stack, tiny_f
     assert "disk" in result.stderr.lower() or "space" in result.stderr.lower()
     assert os.readlink(stack.root / "current") == current
     assert _active_imports(stack) == "2.9.1"
+
+
+def test_an_atomic_write_sets_mode_and_owner_through_the_open_file_never_by_name(tmp_path, monkeypatch):
+    """In a folder others can write, the temporary name could be turned into a link between the write and a
+    chmod by name: root would then chmod (or chown) whatever the link leads to."""
+    from bwstack import fsutil
+
+    def by_name(*_args, **_kwargs):
+        raise AssertionError("changed a file's mode or owner by its name")
+
+    monkeypatch.setattr(os, "chmod", by_name)
+    monkeypatch.setattr(os, "chown", by_name)
+    fsutil.atomic_write_bytes(tmp_path / "f", b"data", mode=0o640, owner=(4242, 4242))
+    st = os.stat(tmp_path / "f")
+    assert (tmp_path / "f").read_bytes() == b"data" and st.st_mode & 0o777 == 0o640
+    if os.geteuid() == 0:
+        assert (st.st_uid, st.st_gid) == (4242, 4242)

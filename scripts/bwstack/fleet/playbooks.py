@@ -94,10 +94,19 @@ def _own_folder(directory: Path, option: str) -> tuple[Path, bool]:
     """The controller's cache folder for the probe and the wheel, whose files the playbooks ship to nodes and run
     there as root: a directory of this user's (made 0700 when it does not exist), and whether what it holds can
     be trusted. One that others could write (made under umask 002 by an earlier bwstack) is closed to them, and
-    what it holds is made again: a file left under the probe's or the wheel's name would be shipped."""
+    what it holds is made again: a file left under the probe's or the wheel's name would be shipped. Every folder
+    above it must be closed to others too (or sticky, as /tmp is): whoever could write one could put another
+    folder in its place. Missing folders are made 0700 here, whatever the umask."""
+    directory = Path(os.path.abspath(directory))
     try:
-        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        missing, folder = [], directory
+        while not os.path.lexists(folder):
+            missing.append(folder)
+            folder = folder.parent
+        for folder in reversed(missing):
+            os.mkdir(folder, 0o700)
         st = os.lstat(directory)
+        unsafe = _open_to_others(directory)
     except OSError as exc:
         raise UsageError(f"{option} {directory}: cannot be made ({exc.strerror})") from None
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
@@ -105,10 +114,48 @@ def _own_folder(directory: Path, option: str) -> tuple[Path, bool]:
             f"{option} {directory}: not a directory of this user's (a link, or another owner): set "
             f"bwstack_controller_cache to a folder of this user's"
         )
-    if st.st_mode & 0o022:
+    if unsafe:
+        raise UsageError(
+            f"{option} {directory}: {unsafe}, so others could replace what bwstack writes there, which nodes run as "
+            f"root: set bwstack_controller_cache to a folder only this user can write (or close that one)"
+        )
+    if st.st_mode & 0o022 and not (st.st_mode & 0o002 == 0 and _private_group(st.st_gid)):
         os.chmod(directory, stat.S_IMODE(st.st_mode) & ~0o022)
         return directory, False
     return directory, True
+
+
+def _private_group(gid: int) -> bool:
+    """The user's own group (user private groups: a umask of 002 makes folders group-writable for it alone)."""
+    import grp
+    import pwd
+
+    try:
+        name = pwd.getpwuid(os.geteuid()).pw_name
+        return gid == os.getegid() and set(grp.getgrgid(gid).gr_mem) <= {name}
+    except KeyError:
+        return False
+
+
+def _open_to_others(directory: Path) -> str | None:
+    """Why a folder above `directory` (along its path as given and as links resolve it) lets others replace it:
+    another owner than root or this user, or writable by others without the sticky bit."""
+    seen: set[Path] = set()
+    for chain in (directory.parents, Path(os.path.realpath(directory)).parents):
+        for folder in chain:
+            if folder in seen:
+                continue
+            seen.add(folder)
+            st = os.stat(folder)
+            if st.st_uid not in (0, os.geteuid()):
+                return f"{folder} belongs to uid {st.st_uid}"
+            if st.st_mode & stat.S_ISVTX:
+                continue
+            if st.st_mode & 0o002:
+                return f"{folder} is writable by everyone"
+            if st.st_mode & 0o020 and not _private_group(st.st_gid):
+                return f"{folder} is writable by group {st.st_gid}"
+    return None
 
 
 def _holds(path: Path, sha256: str) -> bool:

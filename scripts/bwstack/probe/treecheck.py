@@ -85,19 +85,29 @@ def read_regular(path: str | os.PathLike[str], limit: int = MAX_TEXT_BYTES, what
     ValueError."""
     if not stat.S_ISREG(os.stat(path).st_mode):
         raise ValueError(f"{path}: not a regular file")
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    if os.fstat(fd).st_dev in _kernel_filesystems():
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    if _kernels(fd):
         os.close(fd)
-        raise ValueError(f"{path}: a file of the kernel's (/proc, /sys), not of the env")
+        raise ValueError(f"{path}: a file of the kernel's (/proc, /sys, /dev), not of the env")
     return _read_fd(fd, limit, what)
 
 
-def _kernel_filesystems() -> set[int]:
-    devices = set()
-    for mount in ("/proc", "/sys"):
+KERNEL_TREES = ("/proc", "/sys", "/dev")
+
+
+def _kernels(fd: int) -> bool:
+    """The open file lies under /proc, /sys or /dev (their submounts too: cgroup, debugfs, tracefs), by the
+    path the kernel gives the open file, or on the same filesystem as one of them."""
+    with contextlib.suppress(OSError):
+        where = os.readlink(f"/proc/self/fd/{fd}")
+        if any(where == top or where.startswith(top + "/") for top in KERNEL_TREES):
+            return True
+    device = os.fstat(fd).st_dev
+    for top in KERNEL_TREES:
         with contextlib.suppress(OSError):
-            devices.add(os.stat(mount).st_dev)
-    return devices
+            if os.stat(top).st_dev == device:
+                return True
+    return False
 
 
 def read_text(path: str | os.PathLike[str], limit: int = MAX_TEXT_BYTES) -> str | None:

@@ -71,12 +71,14 @@ class _HashingWriter(io.RawIOBase):
     def __init__(self, handle) -> None:
         self.handle = handle
         self.digest = hashlib.sha256()
+        self.size = 0
 
     def writable(self) -> bool:
         return True
 
     def write(self, data) -> int:
         self.digest.update(data)
+        self.size += len(data)
         return self.handle.write(data)
 
 
@@ -85,6 +87,8 @@ def write_archive(store: Store, gen: Generation, path: Path, level: int = 3) -> 
     written as new files (mkstemp) renamed into place: the folder may be a NAS share others can write, and a link
     left at a predictable name must not turn root's write to somewhere else."""
     path = Path(path).absolute()
+    if path.is_dir():
+        raise UsageError(f"--archive {path}: a directory; name the archive file to write")
     started = time.perf_counter()
     partial = None
     try:
@@ -110,8 +114,13 @@ def write_archive(store: Store, gen: Generation, path: Path, level: int = 3) -> 
             raw.flush()
             os.fsync(raw.fileno())
         sha = hashing.digest.hexdigest()
-        atomic_write_bytes(path.with_name(path.name + ".sha256"), f"{sha}  {path.name}\n".encode())
+        # An old sidecar goes first and the new one comes last: a run stopped anywhere between leaves an archive
+        # without one (a warning on restore), never one beside the wrong archive (a refusal).
+        sidecar = path.with_name(path.name + ".sha256")
+        sidecar.unlink(missing_ok=True)
         os.replace(partial, path)
+        partial = None
+        atomic_write_bytes(sidecar, f"{sha}  {path.name}\n".encode())
     except OSError as exc:
         if partial is not None:
             partial.unlink(missing_ok=True)
@@ -125,7 +134,7 @@ def write_archive(store: Store, gen: Generation, path: Path, level: int = 3) -> 
             partial.unlink(missing_ok=True)
         raise
     _remember_written(store, {"sha256": sha, "archive": str(path), "generation": gen.name, "at": now_iso()})
-    return {"archive": str(path), "sha256": sha, "bytes": path.stat().st_size, "seconds": time.perf_counter() - started}
+    return {"archive": str(path), "sha256": sha, "bytes": hashing.size, "seconds": time.perf_counter() - started}
 
 
 # ------------------------------------------------------------------------------------------------ vouch
@@ -151,13 +160,15 @@ def _remember_written(store: Store, entry: dict) -> None:
         ) from None
 
 
-def _written_here(store: Store) -> set[str]:
-    """The sha256 of the archives this store's ledger names (none, when it is missing, damaged or not a plain
-    file: nothing is vouched for then, and --sha256 says what is)."""
+def _written_here(store: Store) -> tuple[set[str], str]:
+    """The sha256 of the archives this store's ledger names, and why it could not be read (none, when it is
+    missing, damaged or not a plain file: nothing is vouched for then, and --sha256 says what is)."""
     try:
         text = treecheck.read_bounded(store.layout.archives, MAX_LEDGER_BYTES, "an archive ledger").decode()
-    except (OSError, ValueError):
-        return set()
+    except FileNotFoundError:
+        return set(), ""
+    except (OSError, ValueError) as exc:
+        return set(), f" ({store.layout.archives} cannot be read: {getattr(exc, 'strerror', None) or exc})"
     found = set()
     for line in text.splitlines():
         try:
@@ -166,7 +177,7 @@ def _written_here(store: Store) -> set[str]:
             continue
         if isinstance(sha, str) and SHA256_HEX.fullmatch(sha):
             found.add(sha)
-    return found
+    return found, ""
 
 
 def _vouch(store: Store, path: Path, digest: str, given: str | None) -> None:
@@ -178,9 +189,10 @@ def _vouch(store: Store, path: Path, digest: str, given: str | None) -> None:
         if given != digest:
             raise UsageError(f"{path}: its sha256 is {digest}, not the {given} given with --sha256; nothing restored")
         return
-    if digest not in _written_here(store):
+    written, unreadable = _written_here(store)
+    if digest not in written:
         raise UsageError(
-            f"{path}: nothing vouches for this archive (sha256 {digest}): this store did not write it, and "
+            f"{path}: nothing vouches for this archive (sha256 {digest}): this store did not write it{unreadable}, and "
             f"restoring runs its code as root; compare that hash with the one `bwstack backup --archive` printed "
             f"(or {store.layout.archives.name} holds) where it was written, then give it with --sha256"
         )
@@ -303,13 +315,17 @@ class _Scan:
     total_bytes: int
 
 
-def _scan(fd: int) -> _Scan:
-    """First pass: every member checked, and the record and manifest read (bounded)."""
+def _scan(fd: int, vouched: str | None = None) -> _Scan:
+    """First pass: every member checked, and the record and manifest read (bounded). With `vouched`, the bytes
+    read must be the ones vouched for: what this pass reads decides what the restore keeps (the record, the
+    manifest) and where it switches to (an archive already in the store), so an archive rewritten in place after
+    it was hashed is refused here, as in the second pass."""
     seen: dict[str, Member] = {}
     members: list[Member] = []
     metadata: dict[str, bytes] = {}
     total = 0
-    for info, tar in _open_stream(fd):
+    read = hashlib.sha256()
+    for info, tar in _open_stream(fd, read if vouched is not None else None):
         name = _relative_name(info.name)
         if not name:
             if not info.isdir():
@@ -325,6 +341,8 @@ def _scan(fd: int) -> _Scan:
             if member.size > MAX_METADATA[name]:
                 raise _refuse(f"archive member {TOP}/{name} is {member.size} bytes, more than it can be")
             metadata[name] = tar.extractfile(info).read()
+    if vouched is not None and read.hexdigest() != vouched:
+        raise IntegrityError("the archive changed while it was being restored; refusing it")
     for needed in (RECORD, MANIFEST, "env"):
         if needed not in seen:
             raise _refuse(f"the archive has no {TOP}/{needed}")
@@ -438,19 +456,22 @@ def _sha256_of(fd: int) -> str:
     return digest.hexdigest()
 
 
-def _check_sidecar(path: Path, digest: str, log) -> None:
-    """The .sha256 beside the archive, when there is one, catches a copy damaged on its way (not a forgery)."""
+def _check_sidecar(path: Path, digest: str, given: str | None, log) -> None:
+    """The .sha256 beside the archive, when there is one, catches a copy damaged on its way (not a forgery). It
+    is read without following a link, and what it holds is never shown (a link could name any file); a --sha256
+    that matches outranks it."""
     sidecar = path.with_name(path.name + ".sha256")
-    text = treecheck.read_text(sidecar, 4096)
-    if text is None:
+    try:
+        words = treecheck.read_bounded(sidecar, 4096, "a .sha256 file").decode("utf-8", errors="replace").split()
+    except (OSError, ValueError):
         log(f"warning: no readable {sidecar.name} beside the archive; relying on the manifest inside it")
         return
-    words = text.split()
-    want = words[0] if words else ""
-    if digest != want:
-        raise IntegrityError(
-            f"{path}: sha256 {digest} does not match {sidecar.name} ({want[:64]}); refusing to restore"
-        )
+    if (words[0] if words else "") == digest:
+        return
+    if given == digest:
+        log(f"warning: {sidecar.name} does not hold the archive's sha256; the --sha256 given does")
+        return
+    raise IntegrityError(f"{path}: sha256 {digest} is not the one in {sidecar.name}; refusing to restore")
 
 
 # What a restored generation keeps of the archive's record (the rest - id, origin, verification - is its own).
@@ -491,10 +512,10 @@ def restore(store: Store, path: Path, *, sha256: str | None = None, switch: bool
     fd = _open_archive(path)
     try:
         vouched = _sha256_of(fd)
-        _check_sidecar(path, vouched, log)
+        _check_sidecar(path, vouched, sha256, log)
         _vouch(store, path, vouched, sha256)
         try:
-            scan = _scan(fd)
+            scan = _scan(fd, vouched)
         except (tarfile.TarError, zstandard.ZstdError, EOFError, UnicodeError) as exc:
             raise IntegrityError(f"{path}: not a readable bwstack archive ({str(exc)[:200]})") from None
         record, doc = _parse_metadata(scan)
