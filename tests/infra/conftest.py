@@ -118,7 +118,7 @@ def _run(host, command: str, expect_ok: bool = True):
 _PLACE = """umask 077; d="${{HOME:?is not set}}/.cache/bwstack"; mkdir -p "$d" || exit 3
 if [ -L "$d" ] || [ ! -d "$d" ] || [ ! -O "$d" ]; then echo "$d is not a directory of $(id -un)'s own" >&2; exit 3; fi
 chmod 0700 "$d" || exit 3
-f="$d/{name}"; echo "$f"
+f="$d/{name}"; printf '%s\\n' "$f"
 if [ ! -L "$f" ] && [ -f "$f" ] && [ -O "$f" ] && printf '%s  %s\\n' {sha} "$f" | sha256sum -c --status; then
   echo ok; else echo upload; fi"""
 
@@ -140,7 +140,9 @@ def _upload(host, data: bytes, remote: str) -> None:
 def _remote_probe(host) -> str:
     """The probe's path on the node, uploaded there unless the user's own copy with its hash is there already."""
     name = f"bwstack-probe-{probe_bundle.digest()}.pyz"
-    placed = _run(host, "sh -c " + shlex.quote(_PLACE.format(name=name, sha=probe_bundle.sha256()))).stdout.split()
+    # One line each (a home folder's name may hold spaces): the probe's path, then "ok" or "upload".
+    placed = _run(host, "sh -c " + shlex.quote(_PLACE.format(name=name, sha=probe_bundle.sha256()))).stdout
+    placed = placed.rstrip("\n").split("\n")
     if len(placed) != 2 or placed[1] not in ("ok", "upload"):
         raise HostUnavailable(f"cannot place the probe on {host.backend.get_pytest_id()}: {' '.join(placed)[:200]}")
     remote, state = placed

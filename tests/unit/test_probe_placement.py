@@ -113,3 +113,12 @@ def test_a_probe_changed_after_it_was_placed_is_not_run(home, tmp_path):
     done = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "changed after it was placed" in done.stderr
     assert not marker.exists()
+
+
+def test_a_home_folder_whose_name_holds_a_space_works(tmp_path, monkeypatch):
+    home = tmp_path / "the home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    placed = _place()
+    assert placed.parent == _folder(home) and placed.read_bytes() == probe_bundle.build()
+    assert _place() == placed  # and found again

@@ -77,18 +77,22 @@ def read_bounded(path: Path, limit: int = MAX_MANIFEST_BYTES, what: str = "a man
 
 def read_regular(path: str | os.PathLike[str], limit: int = MAX_TEXT_BYTES, what: str = "a source file") -> bytes:
     """The bytes of a file of an env (METADATA, a module's source, a header), read as the env's interpreter
-    reads it, through links, but only if it ends at a regular file of at most `limit` bytes: checked before
-    opening (opening a device can act on it) and again after (opened without blocking, so a FIFO cannot hang
-    a root probe; read at most `limit` + 1 bytes, so a /proc file that claims 0 bytes cannot exhaust memory).
-    A restored archive may hold absolute links, so an env's file may lead anywhere; the kernel's files in /proc
-    and /sys are refused whatever they claim to be (reading /proc/kmsg consumes the kernel's log). OSError or
-    ValueError."""
-    if not stat.S_ISREG(os.stat(path).st_mode):
-        raise ValueError(f"{path}: not a regular file")
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    if _kernels(fd):
-        os.close(fd)
-        raise ValueError(f"{path}: a file of the kernel's (/proc, /sys, /dev), not of the env")
+    reads it, through links, but only if it ends at a regular file of at most `limit` bytes: checked before it is
+    opened for reading (opening a device can act on it), opened without blocking (a FIFO cannot hang a root
+    probe), read at most `limit` + 1 bytes (a /proc file that claims 0 bytes cannot exhaust memory). An env's
+    links may lead anywhere (a restored archive may hold absolute ones); files under /proc, /sys and /dev are
+    refused whatever they claim to be (reading /proc/kmsg consumes the kernel's log). OSError or ValueError."""
+    # O_PATH pins the file without opening it for reading (which can act on a device); only the regular file it
+    # pinned is then opened, through its descriptor, so a link swapped meanwhile changes nothing.
+    pinned = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(pinned).st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        if _kernels(pinned):
+            raise ValueError(f"{path}: a file of the kernel's (/proc, /sys, /dev), not of the env")
+        fd = os.open(f"/proc/self/fd/{pinned}", os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    finally:
+        os.close(pinned)
     return _read_fd(fd, limit, what)
 
 
