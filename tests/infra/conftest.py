@@ -169,7 +169,9 @@ runpy.run_path("/proc/self/fd/%d" % copy, run_name="__main__")
 
 
 def _probe_command(python: str, remote: str, args: list[str]) -> str:
-    words = [python, "-c", _BOOTSTRAP, remote, probe_bundle.sha256(), *args]
+    # -I: with -c, Python puts the working directory first on sys.path, where anyone who can write it could
+    # leave a hashlib.py for root to import.
+    words = [python, "-I", "-c", _BOOTSTRAP, remote, probe_bundle.sha256(), *args]
     return " ".join(shlex.quote(w) for w in words)
 
 

@@ -88,11 +88,21 @@ def test_missing_folders_are_made_for_this_user_alone_whatever_the_umask(tmp_pat
         assert folder.stat().st_mode & 0o777 == 0o700, folder
 
 
-@pytest.mark.parametrize("kind", ["world-writable", "another-owner"])
+@pytest.mark.parametrize("kind", ["world-writable", "another-owner", "link-in-the-middle"])
 def test_a_folder_above_that_others_could_replace_is_refused_in_one_line(tmp_path, kind):
-    """Whoever can write a folder above the cache can move the cache aside and put their own in its place."""
+    """Whoever can write a folder above the cache, or one a link on the way leads through, can move the cache
+    aside and put their own in its place."""
     above = tmp_path / "above"
     (above / "cache").mkdir(parents=True)
+    if kind == "link-in-the-middle":  # home/u -> open/u -> above: the open folder is on neither path's parents
+        (tmp_path / "open").mkdir(mode=0o777)
+        os.chmod(tmp_path / "open", 0o777)
+        (tmp_path / "open" / "u").symlink_to(above)
+        (tmp_path / "home").mkdir()
+        (tmp_path / "home" / "u").symlink_to(tmp_path / "open" / "u")
+        done = _facts("--probe-dir", str(tmp_path / "home" / "u" / "cache"))
+        assert done.returncode == 2 and f"{tmp_path / 'open'} is writable by everyone" in done.stderr, done.stderr
+        return
     if kind == "world-writable":
         os.chmod(above, 0o777)
     elif os.geteuid() == 0:

@@ -308,9 +308,14 @@ def test_a_truncated_archive_is_refused_in_one_line(world):
     assert "not a readable bwstack archive" in result.stderr
 
 
-@pytest.mark.parametrize("kind", ["fifo", "directory", "dev-zero"])
+@pytest.mark.parametrize("kind", ["fifo", "directory", "dev-zero", "proc-file"])
 def test_an_archive_path_that_is_not_a_regular_file_is_refused_without_blocking(world, kind):
-    path = {"fifo": world["tmp"] / "pipe", "directory": world["tmp"], "dev-zero": Path("/dev/zero")}[kind]
+    path = {
+        "fifo": world["tmp"] / "pipe",
+        "directory": world["tmp"],
+        "dev-zero": Path("/dev/zero"),
+        "proc-file": Path("/proc/self/status"),  # claims to be regular; /proc/kmsg would be read away
+    }[kind]
     if kind == "fifo" and not path.exists():
         os.mkfifo(path)
     result = world["run"]("restore", str(path), timeout=30)
@@ -441,10 +446,19 @@ def test_a_sidecar_that_disagrees_with_a_matching_sha256_is_a_warning_and_never_
     Path(f"{path}.sha256").write_text("f" * 64 + "  sidecar-link.tar.zst\n")
     other = _elsewhere(world, "sidecar-stale")
     result = bwstack("restore", str(path), *vouched(path), "--no-switch", "--json", env=other)
-    assert result.returncode == 0 and "the --sha256 given does" in result.stderr, result.stderr
+    assert result.returncode == 0 and "what vouches for the archive does" in result.stderr, result.stderr
 
 
 def test_an_archive_path_that_is_a_directory_is_refused_in_one_line(world, tmp_path):
     result = world["run"]("backup", "--archive", str(tmp_path))
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "a directory" in result.stderr and list(tmp_path.iterdir()) == []
+
+
+def test_an_archive_this_store_wrote_is_restored_past_a_stale_sidecar(world):
+    """Anyone who can write the share could put a wrong .sha256 beside an archive: what vouches for it wins."""
+    path = world["tmp"] / "stale-sidecar.tar.zst"
+    path.write_bytes(world["base"].read_bytes())
+    Path(f"{path}.sha256").write_text("f" * 64 + "  stale-sidecar.tar.zst\n")
+    result = world["run"]("restore", str(path), "--json")  # the world's store wrote these bytes (base)
+    assert result.returncode == 0 and "what vouches for the archive does" in result.stderr, result.stderr

@@ -122,3 +122,16 @@ def test_a_home_folder_whose_name_holds_a_space_works(tmp_path, monkeypatch):
     placed = _place()
     assert placed.parent == _folder(home) and placed.read_bytes() == probe_bundle.build()
     assert _place() == placed  # and found again
+
+
+def test_the_probe_imports_nothing_from_the_folder_it_is_started_in(home, tmp_path):
+    """With `python -c`, the working directory comes first on sys.path: anyone who can write it could leave a
+    hashlib.py there for root to import. The probe runs isolated (-I)."""
+    placed = _place()
+    folder, marker = tmp_path / "shared", tmp_path / "ran"
+    folder.mkdir()
+    (folder / "hashlib.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\nraise ImportError\n")
+    command = _infra()._probe_command(sys.executable, str(placed), ["--help"])
+    done = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=60, cwd=folder)
+    assert done.returncode == 0, done.stderr
+    assert not marker.exists()

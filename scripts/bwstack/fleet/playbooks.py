@@ -18,6 +18,8 @@ it comes instead (what the Ansible tests read).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -104,7 +106,8 @@ def _own_folder(directory: Path, option: str) -> tuple[Path, bool]:
             missing.append(folder)
             folder = folder.parent
         for folder in reversed(missing):
-            os.mkdir(folder, 0o700)
+            with contextlib.suppress(FileExistsError):  # made by another run meanwhile: checked below like any
+                os.mkdir(folder, 0o700)
         st = os.lstat(directory)
         unsafe = _open_to_others(directory)
     except OSError as exc:
@@ -137,24 +140,50 @@ def _private_group(gid: int) -> bool:
         return False
 
 
+def _lookup(path: Path) -> tuple[list[str], list[tuple[str, int]]]:
+    """The folders a lookup of `path` passes through, links followed hop by hop as the kernel follows them, and
+    each link met with its owner. (Checking only the folders above the path and above its realpath misses a
+    link in the middle: a -> b/c -> d, where b is the attacker's.)"""
+    folders: list[str] = []
+    links: list[tuple[str, int]] = []
+    current, parts = "/", list(path.parts[1:])
+    while parts:
+        name = parts.pop(0)
+        folders.append(current)
+        candidate = os.path.join(current, name)
+        st = os.lstat(candidate)
+        if not stat.S_ISLNK(st.st_mode):
+            current = candidate
+            continue
+        links.append((candidate, st.st_uid))
+        if len(links) > 40:
+            raise OSError(errno.ELOOP, "too many links", str(path))
+        target = Path(os.readlink(candidate))
+        if target.is_absolute():
+            current, parts = "/", [*target.parts[1:], *parts]
+        else:
+            parts = [*target.parts, *parts]
+    return folders, links
+
+
 def _open_to_others(directory: Path) -> str | None:
-    """Why a folder above `directory` (along its path as given and as links resolve it) lets others replace it:
-    another owner than root or this user, or writable by others without the sticky bit."""
-    seen: set[Path] = set()
-    for chain in (directory.parents, Path(os.path.realpath(directory)).parents):
-        for folder in chain:
-            if folder in seen:
-                continue
-            seen.add(folder)
-            st = os.stat(folder)
-            if st.st_uid not in (0, os.geteuid()):
-                return f"{folder} belongs to uid {st.st_uid}"
-            if st.st_mode & stat.S_ISVTX:
-                continue
-            if st.st_mode & 0o002:
-                return f"{folder} is writable by everyone"
-            if st.st_mode & 0o020 and not _private_group(st.st_gid):
-                return f"{folder} is writable by group {st.st_gid}"
+    """Why a folder that a lookup of `directory` passes through lets others replace what is below it: another
+    owner than root or this user, or writable by others without the sticky bit; or a link on the way that
+    another user owns."""
+    folders, links = _lookup(directory)
+    for link, uid in links:
+        if uid not in (0, os.geteuid()):
+            return f"the link {link} belongs to uid {uid}"
+    for folder in dict.fromkeys(folders):
+        st = os.stat(folder)
+        if st.st_uid not in (0, os.geteuid()):
+            return f"{folder} belongs to uid {st.st_uid}"
+        if st.st_mode & stat.S_ISVTX:
+            continue
+        if st.st_mode & 0o002:
+            return f"{folder} is writable by everyone"
+        if st.st_mode & 0o020 and not _private_group(st.st_gid):
+            return f"{folder} is writable by group {st.st_gid}"
     return None
 
 

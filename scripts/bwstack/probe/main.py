@@ -668,8 +668,11 @@ def collect(
     # The import checks are other processes: let them run while this one reads the ELF files. A sealed,
     # unchanged generation on an unchanged host reuses the results of the last run (sealed.py says why).
     gpu_key = _gpu_key(facts["gpu"])
-    import_key = sealed.derived_key(env, "imports", gpu_key) if static else None
-    reused = sealed.load_derived(env, import_key) if imports and static else None
+    # The generation is as sealed whenever its facts loaded, and also when only the host moved since (every result
+    # of running it is keyed by the host as it is now): its results are reused and kept either way.
+    reusable = static is not None or why == sealed.HOST_CHANGED
+    import_key = sealed.derived_key(env, "imports", gpu_key) if reusable else None
+    reused = sealed.load_derived(env, import_key) if imports and reusable else None
     if reused is not None:
         facts["imports"] = reused
         facts["facts_source"]["imports"] = "recorded"
@@ -683,16 +686,16 @@ def collect(
                 if imports and reused is None
                 else None
             )
-            facts["cuda"] = cuda_facts(env, capability, reuse=bool(static), sources=facts["facts_source"])
+            facts["cuda"] = cuda_facts(env, capability, reuse=reusable, sources=facts["facts_source"])
             lap("cuda")
-            if static:  # what a fix search's serve-plan runs of this verify hand back to skip the unchanged check
+            if reusable:  # what a fix search's serve-plan runs of this verify hand back to skip the unchanged check
                 facts["facts_source"]["reuse"] = {"basis": sealed.basis(env), "gpu": gpu_key, "cuda": facts["cuda"]}
             # SGLang's planner is another process too: it starts before the ELF files are read, beside the imports.
             planning, plan_key = None, None
             if serve_plan and serve_plan.get("requests"):
                 from bwstack.probe.serveplan import node
 
-                plan_key = node.plan_key(env, serve_plan, gpu_key, facts["cuda"]) if static else None
+                plan_key = node.plan_key(env, serve_plan, gpu_key, facts["cuda"]) if reusable else None
                 facts["serve_plan"] = sealed.load_derived(env, plan_key)
                 if facts["serve_plan"] is None:
                     device = node.resolve_device(serve_plan["device"], env)
@@ -711,6 +714,8 @@ def collect(
             else:
                 facts.update(static_facts(env, sp, capability, facts["env"].get("torch_version_py") or {}))
                 lap("elf, fatbin, features")
+                if reusable:
+                    sealed.save_static_again(env, capability, {**facts["env"], **facts})
             if planning is not None:
                 facts["serve_plan"] = planning.result().as_dict()
                 sealed.save_derived(env, plan_key, facts["serve_plan"])

@@ -88,7 +88,7 @@ def read_regular(path: str | os.PathLike[str], limit: int = MAX_TEXT_BYTES, what
     try:
         if not stat.S_ISREG(os.fstat(pinned).st_mode):
             raise ValueError(f"{path}: not a regular file")
-        if _kernels(pinned):
+        if kernels(pinned):
             raise ValueError(f"{path}: a file of the kernel's (/proc, /sys, /dev), not of the env")
         fd = os.open(f"/proc/self/fd/{pinned}", os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     finally:
@@ -99,7 +99,7 @@ def read_regular(path: str | os.PathLike[str], limit: int = MAX_TEXT_BYTES, what
 KERNEL_TREES = ("/proc", "/sys", "/dev")
 
 
-def _kernels(fd: int) -> bool:
+def kernels(fd: int) -> bool:
     """The open file lies under /proc, /sys or /dev (their submounts too: cgroup, debugfs, tracefs), by the
     path the kernel gives the open file, or on the same filesystem as one of them."""
     with contextlib.suppress(OSError):
@@ -109,7 +109,8 @@ def _kernels(fd: int) -> bool:
     device = os.fstat(fd).st_dev
     for top in KERNEL_TREES:
         with contextlib.suppress(OSError):
-            if os.stat(top).st_dev == device:
+            mounted = os.stat(top).st_dev
+            if mounted == device and mounted != os.stat("/").st_dev:  # a tree of its own, not a folder of /
                 return True
     return False
 

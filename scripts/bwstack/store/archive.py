@@ -442,24 +442,27 @@ def _open_archive(path: Path) -> int:
         raise UsageError(f"{path}: no such archive") from None
     except OSError as exc:
         raise UsageError(f"{path}: cannot open the archive ({exc.strerror})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    if not stat.S_ISREG(os.fstat(fd).st_mode) or treecheck.kernels(fd):
         os.close(fd)
-        raise UsageError(f"{path}: not a regular file")
+        raise UsageError(f"{path}: not a regular file (an archive is one; /proc and /sys files only look like one)")
     return fd
 
 
-def _sha256_of(fd: int) -> str:
+def _sha256_of(fd: int, path: Path) -> str:
     digest = hashlib.sha256()
-    os.lseek(fd, 0, os.SEEK_SET)
-    while chunk := os.read(fd, 4 << 20):
-        digest.update(chunk)
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        while chunk := os.read(fd, 4 << 20):
+            digest.update(chunk)
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read the archive ({exc.strerror})") from None
     return digest.hexdigest()
 
 
-def _check_sidecar(path: Path, digest: str, given: str | None, log) -> None:
+def _check_sidecar(path: Path, digest: str, vouched: bool, log) -> None:
     """The .sha256 beside the archive, when there is one, catches a copy damaged on its way (not a forgery). It
-    is read without following a link, and what it holds is never shown (a link could name any file); a --sha256
-    that matches outranks it."""
+    is read without following a link, and what it holds is never shown (a link could name any file); what
+    vouches for the archive (a matching --sha256, the store's ledger) outranks it."""
     sidecar = path.with_name(path.name + ".sha256")
     try:
         words = treecheck.read_bounded(sidecar, 4096, "a .sha256 file").decode("utf-8", errors="replace").split()
@@ -468,8 +471,8 @@ def _check_sidecar(path: Path, digest: str, given: str | None, log) -> None:
         return
     if (words[0] if words else "") == digest:
         return
-    if given == digest:
-        log(f"warning: {sidecar.name} does not hold the archive's sha256; the --sha256 given does")
+    if vouched:
+        log(f"warning: {sidecar.name} does not hold the archive's sha256; what vouches for the archive does")
         return
     raise IntegrityError(f"{path}: sha256 {digest} is not the one in {sidecar.name}; refusing to restore")
 
@@ -511,8 +514,8 @@ def restore(store: Store, path: Path, *, sha256: str | None = None, switch: bool
     started = time.perf_counter()
     fd = _open_archive(path)
     try:
-        vouched = _sha256_of(fd)
-        _check_sidecar(path, vouched, sha256, log)
+        vouched = _sha256_of(fd, path)
+        _check_sidecar(path, vouched, sha256 == vouched or vouched in _written_here(store)[0], log)
         _vouch(store, path, vouched, sha256)
         try:
             scan = _scan(fd, vouched)

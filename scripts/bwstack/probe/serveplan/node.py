@@ -626,14 +626,14 @@ def main(argv: list[str]) -> int:
     if sealed.basis_still_holds(env, reuse.get("basis")) and cuda is not None:
         base = reuse["basis"]
         key = sealed.derived_key(None, "serve-plan-job", job, gpu, cuda, base=base)
-    elif sealed.unchanged_generation(env) is None:
+    elif sealed.unchanged_generation(env, host=False) is None:  # the key names the host as it is now
         cuda = probe.cuda_facts(env, str(job["device"].get("capability", "")), reuse=True)
         gpu = probe._gpu_key(probe.gpu_facts())
         key = sealed.derived_key(env, "serve-plan-job", job, gpu, cuda)
     result = sealed.load_derived(env, key)
     if result is None:
         result = observe(env, resolve_device(job["device"], env), job["requests"], cuda=cuda).as_dict()
-        if key is not None and sealed.unchanged_generation(env) is not None:
+        if key is not None and sealed.unchanged_generation(env, host=False) is not None:
             # Changed since the basis was taken (handed on by the verify, or checked above): this plan is of
             # another tree than the sealed one its key names, so it is neither kept nor folded.
             key = None
