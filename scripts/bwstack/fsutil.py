@@ -44,6 +44,17 @@ def atomic_write_text(path: Path, text: str, mode: int = 0o644) -> None:
     atomic_write_bytes(path, text.encode("utf-8"), mode)
 
 
+def append_line(path: Path, line: str) -> None:
+    """`line` and a newline appended to `path` (made 0644 if missing) and synced; a link at `path` is refused,
+    never followed. OSError for the caller to say what it could not record."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_symlink(target: str | os.PathLike, link: Path) -> None:
     """Point `link` at `target` with one rename: a new process resolves the old or the new target."""
     link = Path(link)

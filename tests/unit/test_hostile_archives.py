@@ -462,3 +462,9 @@ def test_an_archive_this_store_wrote_is_restored_past_a_stale_sidecar(world):
     Path(f"{path}.sha256").write_text("f" * 64 + "  stale-sidecar.tar.zst\n")
     result = world["run"]("restore", str(path), "--json")  # the world's store wrote these bytes (base)
     assert result.returncode == 0 and "what vouches for the archive does" in result.stderr, result.stderr
+
+
+def test_an_archive_path_whose_folder_does_not_exist_is_refused_in_one_line(world, tmp_path):
+    result = world["run"]("backup", "--archive", str(tmp_path / "no-such-folder" / "gen.tar.zst"))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "cannot be written there" in result.stderr

@@ -114,7 +114,7 @@ def _own_folder(directory: Path, option: str) -> tuple[Path, bool]:
         raise UsageError(f"{option} {directory}: cannot be made ({exc.strerror})") from None
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
         raise UsageError(
-            f"{option} {directory}: not a directory of this user's (a link, or another owner): set "
+            f"{option} {directory}: not a directory of this user's (a file, a link, or another owner): set "
             f"bwstack_controller_cache to a folder of this user's"
         )
     if unsafe:
@@ -203,8 +203,7 @@ def write_probe(directory: Path) -> Path:
     name = f"bwstack-probe-{probe_bundle.digest()}.pyz"
     if trusted and _holds(directory / name, probe_bundle.sha256()):
         return directory / name
-    atomic_write_bytes(directory / name, probe_bundle.build())  # a new file renamed over the name: no link followed
-    return directory / name
+    return probe_bundle.write(directory / name)
 
 
 _COPY_IGNORE = shutil.ignore_patterns(

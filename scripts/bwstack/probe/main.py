@@ -177,12 +177,7 @@ _PROFILE_NAME = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*\+?=", re.M)
 
 def _profile_names(home: Path) -> set[str]:
     """The variables the toolkit's bin/nvcc.profile sets or adds to: nvcc takes each from the environment too."""
-    try:
-        with elfread.open_regular(home / "bin" / "nvcc.profile") as handle:
-            text = handle.read(1 << 16).decode("utf-8", "replace")
-    except (OSError, elfread.CorruptElf):
-        return set()
-    return set(_PROFILE_NAME.findall(text))
+    return set(_PROFILE_NAME.findall(treecheck.read_text(home / "bin" / "nvcc.profile", 1 << 16) or ""))
 
 
 def _program_key(label: str, value: str) -> list:
@@ -277,10 +272,9 @@ def cuda_facts(env: Path, capability: str, reuse: bool = False, sources: dict | 
             sources["nvcc_compile"] = "recorded" if reused else "compiled now"
     marker = Path(home, "bwstack-toolkit.json") if home else None
     if marker and marker.is_file():
-        try:
-            with elfread.open_regular(marker) as handle:  # a FIFO named like it must not hang the probe
-                found = json.loads(handle.read(1 << 20).decode("utf-8"))
-        except (OSError, ValueError, elfread.CorruptElf):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        try:  # a FIFO named like it must not hang the probe
+            found = json.loads(treecheck.read_regular(marker, 1 << 20, "a toolkit marker").decode("utf-8"))
+        except (OSError, ValueError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             found = None
         facts["toolkit_marker"] = found if isinstance(found, dict) else {"note": f"{marker} is unreadable"}
     return facts

@@ -39,7 +39,7 @@ from pathlib import Path
 import zstandard
 
 from bwstack.errors import BwstackError, IntegrityError, UsageError
-from bwstack.fsutil import atomic_write_bytes
+from bwstack.fsutil import append_line, atomic_write_bytes
 from bwstack.probe import treecheck
 from bwstack.store import manifest
 from bwstack.store.generations import (
@@ -90,12 +90,16 @@ def write_archive(store: Store, gen: Generation, path: Path, level: int = 3) -> 
     if path.is_dir():
         raise UsageError(f"--archive {path}: a directory; name the archive file to write")
     started = time.perf_counter()
-    partial = None
     try:
         fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-        partial = Path(name)
-        os.fchmod(fd, 0o644)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise UsageError(f"--archive {path}: cannot be written there ({exc.strerror})") from None
+        raise BwstackError(f"disk full: cannot write {path}; nothing changed") from None
+    partial: Path | None = Path(name)
+    try:
         with os.fdopen(fd, "wb") as raw:
+            os.fchmod(raw.fileno(), 0o644)
             hashing = _HashingWriter(raw)
             compressor = zstandard.ZstdCompressor(level=level, threads=-1)
             with (
@@ -147,12 +151,7 @@ def _remember_written(store: Store, entry: dict) -> None:
     """One line in the store's ledger of archives it wrote (appended, never through a link)."""
     ledger = store.layout.archives
     try:
-        fd = os.open(ledger, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        try:
-            os.write(fd, (json.dumps(entry) + "\n").encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        append_line(ledger, json.dumps(entry))
     except OSError as exc:
         raise BwstackError(
             f"wrote {entry['archive']} but cannot record it in {ledger} ({exc.strerror}): restoring it will need "
@@ -180,7 +179,7 @@ def _written_here(store: Store) -> tuple[set[str], str]:
     return found, ""
 
 
-def _vouch(store: Store, path: Path, digest: str, given: str | None) -> None:
+def _vouch(store: Store, path: Path, digest: str, given: str | None, written: tuple[set[str], str]) -> None:
     """Restoring runs the archived env's code as root (its interpreter starts, torch is imported; later the node
     serves from it), so an archive is restored only when something other than the archive vouches for it: the
     sha256 the operator gives, or this store's record of having written it. The .sha256 beside it does not:
@@ -189,8 +188,8 @@ def _vouch(store: Store, path: Path, digest: str, given: str | None) -> None:
         if given != digest:
             raise UsageError(f"{path}: its sha256 is {digest}, not the {given} given with --sha256; nothing restored")
         return
-    written, unreadable = _written_here(store)
-    if digest not in written:
+    known, unreadable = written
+    if digest not in known:
         raise UsageError(
             f"{path}: nothing vouches for this archive (sha256 {digest}): this store did not write it{unreadable}, and "
             f"restoring runs its code as root; compare that hash with the one `bwstack backup --archive` printed "
@@ -294,18 +293,17 @@ class _HashingReader(io.RawIOBase):
         return n
 
 
-def _open_stream(fd: int, digest=None) -> Iterator[tarfile.TarInfo]:
-    """The members, read from the start; with `digest`, every byte of the file is hashed into it (the rest after
-    the last member too), so a pass can tell that it read the bytes that were vouched for."""
+def _open_stream(fd: int, digest) -> Iterator[tarfile.TarInfo]:
+    """The members, read from the start; every byte of the file is hashed into `digest` (the rest after the last
+    member too), so a pass can tell that it read the bytes that were vouched for."""
     os.lseek(fd, 0, os.SEEK_SET)
     raw = os.fdopen(os.dup(fd), "rb")
-    source = raw if digest is None else _HashingReader(raw, digest)
+    source = _HashingReader(raw, digest)
     with raw, zstandard.ZstdDecompressor().stream_reader(source) as zst, tarfile.open(fileobj=zst, mode="r|") as tar:
         for info in tar:
             yield info, tar
-        if digest is not None:
-            while source.read(COPY_CHUNK):
-                pass
+        while source.read(COPY_CHUNK):
+            pass
 
 
 @dataclass
@@ -315,9 +313,9 @@ class _Scan:
     total_bytes: int
 
 
-def _scan(fd: int, vouched: str | None = None) -> _Scan:
-    """First pass: every member checked, and the record and manifest read (bounded). With `vouched`, the bytes
-    read must be the ones vouched for: what this pass reads decides what the restore keeps (the record, the
+def _scan(fd: int, vouched: str) -> _Scan:
+    """First pass: every member checked, and the record and manifest read (bounded). The bytes read must be the
+    ones vouched for: what this pass reads decides what the restore keeps (the record, the
     manifest) and where it switches to (an archive already in the store), so an archive rewritten in place after
     it was hashed is refused here, as in the second pass."""
     seen: dict[str, Member] = {}
@@ -325,7 +323,7 @@ def _scan(fd: int, vouched: str | None = None) -> _Scan:
     metadata: dict[str, bytes] = {}
     total = 0
     read = hashlib.sha256()
-    for info, tar in _open_stream(fd, read if vouched is not None else None):
+    for info, tar in _open_stream(fd, read):
         name = _relative_name(info.name)
         if not name:
             if not info.isdir():
@@ -341,7 +339,7 @@ def _scan(fd: int, vouched: str | None = None) -> _Scan:
             if member.size > MAX_METADATA[name]:
                 raise _refuse(f"archive member {TOP}/{name} is {member.size} bytes, more than it can be")
             metadata[name] = tar.extractfile(info).read()
-    if vouched is not None and read.hexdigest() != vouched:
+    if read.hexdigest() != vouched:
         raise IntegrityError("the archive changed while it was being restored; refusing it")
     for needed in (RECORD, MANIFEST, "env"):
         if needed not in seen:
@@ -515,8 +513,9 @@ def restore(store: Store, path: Path, *, sha256: str | None = None, switch: bool
     fd = _open_archive(path)
     try:
         vouched = _sha256_of(fd, path)
-        _check_sidecar(path, vouched, sha256 == vouched or vouched in _written_here(store)[0], log)
-        _vouch(store, path, vouched, sha256)
+        written = _written_here(store)
+        _check_sidecar(path, vouched, sha256 == vouched or vouched in written[0], log)
+        _vouch(store, path, vouched, sha256, written)
         try:
             scan = _scan(fd, vouched)
         except (tarfile.TarError, zstandard.ZstdError, EOFError, UnicodeError) as exc:

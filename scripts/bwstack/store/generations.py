@@ -38,7 +38,7 @@ from importlib import resources
 from pathlib import Path
 
 from bwstack.errors import BwstackError, IntegrityError, UsageError
-from bwstack.fsutil import atomic_symlink, atomic_write_text, fsync_dir
+from bwstack.fsutil import append_line, atomic_symlink, atomic_write_text, fsync_dir
 from bwstack.probe import envinspect, interp, sealed
 from bwstack.probe.generation import MAX_RECORD_BYTES
 from bwstack.probe.treecheck import read_bounded, sha256_file
@@ -439,25 +439,16 @@ class Store:
 
     def _append_history(self, entry: dict) -> None:
         try:
-            fd = os.open(
-                self.layout.history, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
-            )
-        except OSError as exc:
-            raise BwstackError(
-                f"cannot record the switch in {self.layout.history}: {exc.strerror}; nothing was switched"
-            ) from None
-        try:
-            os.write(fd, (json.dumps(entry) + "\n").encode())
-            os.fsync(fd)
+            append_line(self.layout.history, json.dumps(entry))
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 raise BwstackError(
                     f"disk full: cannot record the switch in {self.layout.history}; nothing was switched "
                     f"(free space, e.g. `bwstack prune --keep 2`)"
                 ) from None
-            raise
-        finally:
-            os.close(fd)
+            raise BwstackError(
+                f"cannot record the switch in {self.layout.history}: {exc.strerror}; nothing was switched"
+            ) from None
 
     def flip(self, gen_name: str | None, frm: str | None, why: str) -> None:
         """Record, then flip `current` (history first: a kill between the two is recognised on reading)."""
