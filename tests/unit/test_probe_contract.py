@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -83,10 +85,31 @@ def test_the_import_check_reports_each_modules_outcome_from_one_interpreter():
     statements = {"json": "import json", "absent": "import bwstack_no_such_module", "raises": "raise SystemExit(3)"}
     # The last assertion also fails when the result line is lost: the one-process-per-module fallback sees no
     # message for SystemExit on stderr.
-    outcome = probe._import_all(sys.executable, statements, interp.clean_env())
+    outcome = probe._import_all(sys.executable, statements, interp.clean_env()).results
     assert outcome["json"] == {"ok": True, "error": ""}
     assert not outcome["absent"]["ok"] and "ModuleNotFoundError" in outcome["absent"]["error"]
     assert not outcome["raises"]["ok"] and "SystemExit" in outcome["raises"]["error"]
+
+
+def test_the_import_check_names_the_files_it_loaded_from_outside_the_env():
+    """What a later verify checks before it reuses the outcome: the extension modules and libraries mapped, the
+    module files read, each with the stat that identifies its bytes now; nothing under the folders it is told
+    are the env's own (the manifest covers those)."""
+    import ctypes
+    import json as json_module
+
+    from bwstack.probe import main as probe
+
+    inside = str(Path(json_module.__file__).parent)
+    run = probe._import_all(sys.executable, {"ctypes": "import ctypes, json"}, interp.clean_env(), [inside])
+    assert run.results["ctypes"]["ok"] and run.loaded
+    paths = {entry[0] for entry in run.loaded}
+    assert str(Path(ctypes.__file__)) in paths, "a module file read"
+    assert any("_ctypes" in p and ".so" in p for p in paths), "an extension module mapped"
+    assert not any(p == inside or p.startswith(inside + "/") for p in paths), "the env's own files left out"
+    for path, *stamp in run.loaded:
+        st = os.stat(path)
+        assert stamp == [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns], path
 
 
 def test_a_child_runs_from_the_root_directory_not_the_callers(tmp_path, monkeypatch):

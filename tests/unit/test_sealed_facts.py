@@ -277,6 +277,68 @@ def test_after_the_host_changed_an_unchanged_generation_is_read_once_then_its_fa
 
 
 @needs_py312
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not found")
+def test_an_import_outcome_is_not_reused_after_a_library_it_loaded_was_copied_over_in_place(
+    built, monkeypatch, tmp_path
+):
+    """The host fingerprint covers the library folders, and `cp new.so /usr/lib/.../lib.so` over an existing
+    library leaves its folder as it was (same inode, same names). Every file the imports loaded from outside the
+    env is checked before their outcome is reused. The library here is built by this test and preloaded into the
+    import checks' interpreters (LD_PRELOAD, which they inherit), standing in for a system library."""
+    source = tmp_path / "preload.c"
+    source.write_text("int bwstack_test_preload(void) { return 1; }\n")
+    lib = tmp_path / "libbwstacktestpreload.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(lib), str(source)], check=True)
+    monkeypatch.setenv("LD_PRELOAD", str(lib))
+    sealed.host_fingerprint.cache_clear()
+    try:
+        first = probe.collect(built.ml_env, CAPABILITY, runtime=False)
+        assert first["imports"] and "imports" not in first["facts_source"], first["facts_source"]
+        again = probe.collect(built.ml_env, CAPABILITY, runtime=False)
+        assert again["facts_source"].get("imports") == "recorded", again["facts_source"]
+        inode = os.stat(lib).st_ino
+        shutil.copyfile(lib, tmp_path / "same-bytes.so")
+        shutil.copyfile(tmp_path / "same-bytes.so", lib)  # in place: the same inode, written again
+        assert os.stat(lib).st_ino == inode
+        third = probe.collect(built.ml_env, CAPABILITY, runtime=False)
+        assert "imports" not in third["facts_source"], third["facts_source"]
+        assert third["facts_source"]["imports_again"] == f"{lib} changed since the imports ran"
+        fourth = probe.collect(built.ml_env, CAPABILITY, runtime=False)
+        assert fourth["facts_source"].get("imports") == "recorded", fourth["facts_source"]
+    finally:
+        sealed.host_fingerprint.cache_clear()
+
+
+def test_a_preloaded_library_is_part_of_the_host_fingerprint(tmp_path, monkeypatch):
+    env = tmp_path / "env"
+    (env / "bin").mkdir(parents=True)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    sealed.host_fingerprint.cache_clear()
+    try:
+        without = sealed.host_fingerprint(env)
+        monkeypatch.setenv("LD_PRELOAD", "/opt/preload/libhook.so")
+        sealed.host_fingerprint.cache_clear()
+        assert sealed.host_fingerprint(env) != without
+    finally:
+        sealed.host_fingerprint.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("loaded", "why"),
+    [
+        (None, "were not recorded"),
+        ([["/x", 1]], "replaced while the imports ran"),
+        ([["/nonexistent/bwstack/lib.so", 1, 2, 3, 4, 5]], "is gone since the imports ran"),
+        ([[3, 1, 2, 3, 4, 5]], "recorded malformed"),
+        (["/x"], "recorded malformed"),
+    ],
+    ids=["unknown", "replaced-while-mapped", "gone", "path-not-text", "entry-not-a-list"],
+)
+def test_an_import_outcome_whose_loaded_files_cannot_be_checked_is_not_reused(loaded, why):
+    assert why in sealed.loaded_changed(loaded)
+
+
+@needs_py312
 def test_results_of_running_the_env_are_reused_only_while_their_key_holds(built):
     key = sealed.derived_key(built.ml_env, "imports", ["gpu", None])
     assert key is not None

@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from bwstack.probe import (
@@ -524,28 +525,54 @@ class StandInLibcuda:
                 self._dir = None
 
 
-def _import_all(python: str, statements: dict[str, str], env: dict) -> dict[str, dict]:
+@dataclass(frozen=True)
+class ImportRun:
+    """The import checks' outcome per module, and the files their interpreters loaded from outside the env (None:
+    not known, e.g. an interpreter that died): what a later verify must find unchanged to reuse the outcome."""
+
+    results: dict[str, dict]
+    loaded: list | None
+
+
+def _import_all(python: str, statements: dict[str, str], env: dict, inside: list[str] | None = None) -> ImportRun:
     """Import the modules in one interpreter (torch loads once: ~4x faster than one process each); if that
-    interpreter dies (a segfault in an extension), fall back to one process per module."""
-    rc, out, err = interp.run_script(python, "imports", json.dumps(statements), timeout=900, env=env)
+    interpreter dies (a segfault in an extension), fall back to one process per module. `inside`: folders whose
+    files the loaded list leaves out (the env, which its manifest covers)."""
+    rc, out, err = interp.run_script(
+        python, "imports", json.dumps(statements), json.dumps(inside or []), timeout=900, env=env
+    )
+    loaded: list | None = None
     for line in out.splitlines():
+        if line.startswith("BWSTACK-LOADED "):
+            found = json.loads(line.split(" ", 1)[1])
+            loaded = found if isinstance(found, list) else None
         if line.startswith("BWSTACK-IMPORTS "):
-            return json.loads(line.split(" ", 1)[1])
+            return ImportRun(json.loads(line.split(" ", 1)[1]), loaded)
     results = {}
     for name, statement in statements.items():
         rc, _out, err = _run([python, "-c", statement], timeout=600, env=env)
         results[name] = {"ok": rc == 0, "error": err if rc else ""}
-    return results
+    return ImportRun(results, None)
 
 
-def import_facts(env: Path, sp: Path, gpu_present: bool, stand_in: StandInLibcuda | None = None) -> dict:
+def _union(first: list, second: list) -> list:
+    """Both interpreters' loaded files, each entry once (a file whose stamp differs between them is kept twice: it
+    changed between the runs, and no later verify finds both)."""
+    out = list(first)
+    out += [entry for entry in second if entry not in first]
+    return out
+
+
+def import_facts(env: Path, sp: Path, gpu_present: bool, stand_in: StandInLibcuda | None = None) -> ImportRun:
     python = str(env / "bin" / "python")
     base = interp.clean_env()
+    inside = sorted({str(env), os.path.realpath(env)})
     results: dict = {m: {"installed": False} for m in IMPORTS if not (sp / m).is_dir()}
     wanted = {m: stmt for m, stmt in IMPORTS.items() if m not in results}
-    first = _import_all(python, wanted, base) if wanted else {}
+    first = _import_all(python, wanted, base, inside) if wanted else ImportRun({}, [])
+    loaded = first.loaded
     blocked = []
-    for module, outcome in first.items():
+    for module, outcome in first.results.items():
         results[module] = {"installed": True, "ok": outcome["ok"], "error": _last_error(outcome["error"])}
         if not outcome["ok"] and "libcuda.so.1" in outcome["error"] and not gpu_present:
             results[module]["blocked_by_missing_driver"] = True
@@ -563,13 +590,16 @@ def import_facts(env: Path, sp: Path, gpu_present: bool, stand_in: StandInLibcud
                     }
             else:
                 env_stub = interp.with_library_dir(base, stub_dir)
-                again = _import_all(python, {m: IMPORTS[m] for m in blocked}, env_stub)
-                for module, outcome in again.items():
+                # The stand-in is built afresh each run (from the compiler, which the results' key names).
+                stub = [str(stub_dir), os.path.realpath(stub_dir)]
+                again = _import_all(python, {m: IMPORTS[m] for m in blocked}, env_stub, [*inside, *stub])
+                loaded = None if loaded is None or again.loaded is None else _union(loaded, again.loaded)
+                for module, outcome in again.results.items():
                     results[module]["with_stub_libcuda"] = {
                         "ok": outcome["ok"],
                         "error": _last_error(outcome["error"]) if not outcome["ok"] else "",
                     }
-    return results
+    return ImportRun(results, loaded)
 
 
 ROOT_CAUSES = ("undefined symbol", "cannot open shared object file", "version `GLIBC", "no kernel image")
@@ -666,7 +696,15 @@ def collect(
     # of running it is keyed by the host as it is now): its results are reused and kept either way.
     reusable = static is not None or why == sealed.HOST_CHANGED
     import_key = sealed.derived_key(env, "imports", gpu_key) if reusable else None
-    reused = sealed.load_derived(env, import_key) if imports and reusable else None
+    reused = None
+    if imports and reusable:
+        recorded = sealed.load_derived(env, import_key)
+        if isinstance(recorded, dict) and isinstance(recorded.get("results"), dict):
+            moved = sealed.loaded_changed(recorded.get("loaded"))
+            if moved is None:
+                reused = recorded["results"]
+            else:  # a system library copied over in place, a new interpreter: the imports run again
+                facts["facts_source"]["imports_again"] = moved
     if reused is not None:
         facts["imports"] = reused
         facts["facts_source"]["imports"] = "recorded"
@@ -715,8 +753,10 @@ def collect(
                 sealed.save_derived(env, plan_key, facts["serve_plan"])
                 lap("serve-plan (rest)")
             if pending is not None:
-                facts["imports"] = pending.result()
-                sealed.save_derived(env, import_key, facts["imports"])
+                run = pending.result()
+                facts["imports"] = run.results
+                if run.loaded is not None:  # what they loaded unknown: nothing to check a reuse against
+                    sealed.save_derived(env, import_key, {"results": run.results, "loaded": run.loaded})
                 lap("imports (rest)")
     finally:
         stand_in.close()

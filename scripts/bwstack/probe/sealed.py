@@ -70,7 +70,8 @@ def stat_key(path: str) -> list:
 def host_fingerprint(env: Path) -> str:
     """What the ELF resolution and the imports see outside the generation: the loader's cache and
     configuration, the system library directories (a package installed or removed changes them), the base
-    interpreter, and LD_LIBRARY_PATH."""
+    interpreter, LD_LIBRARY_PATH and the libraries preloaded into every process. (The files the imports loaded
+    are checked one by one before their outcome is reused: loaded_changed.)"""
     from bwstack.probe import elfscan
 
     parts: list = [stat_key("/etc/ld.so.cache"), stat_key("/etc/ld.so.conf")]
@@ -78,6 +79,13 @@ def host_fingerprint(env: Path) -> str:
     library_path = os.environ.get("LD_LIBRARY_PATH", "")
     parts += [["LD_LIBRARY_PATH", library_path]] + [stat_key(d) for d in library_path.split(":") if d]
     parts.append(stat_key(str((Path(env) / "bin" / "python").resolve())))
+    # Libraries loaded into every process: named only where there are any, so the fingerprint of a host without
+    # them is what it was before they were part of it (the facts sealed then still match).
+    preload = os.environ.get("LD_PRELOAD", "")
+    if preload:
+        parts.append(["LD_PRELOAD", preload])
+    if os.path.lexists("/etc/ld.so.preload"):
+        parts.append(stat_key("/etc/ld.so.preload"))
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
 
@@ -407,6 +415,27 @@ def save_derived(env: Path, key: str | None, value: object) -> None:
         os.replace(tmp, path)
     except (OSError, TypeError, ValueError):
         return
+
+
+def loaded_changed(loaded: object) -> str | None:
+    """None when every file an env's interpreter loaded from outside the env (the import script's list: [path, dev,
+    ino, size, mtime_ns, ctime_ns] each) is still that file, unchanged; else what moved. The host fingerprint
+    covers the library folders, which an in-place `cp` over a library leaves as they were: its own stat does
+    not (the copy moves the file's mtime and ctime)."""
+    if not isinstance(loaded, list):
+        return "the files the imports loaded were not recorded"
+    for entry in loaded:
+        if not (isinstance(entry, list) and entry and isinstance(entry[0], str)):
+            return "the files the imports loaded were recorded malformed"
+        if len(entry) != 6:
+            return f"{entry[0]} was replaced while the imports ran"
+        try:
+            st = os.stat(entry[0])
+        except OSError:
+            return f"{entry[0]} is gone since the imports ran"
+        if [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns] != entry[1:]:
+            return f"{entry[0]} changed since the imports ran"
+    return None
 
 
 def unchanged_generation(env: Path, *, host: bool = True) -> str | None:
