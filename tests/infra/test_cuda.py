@@ -31,6 +31,10 @@ def test_toolkit_nvcc_is_the_profiles_cuda_version(facts, env, profile):
         + f". FlashInfer JIT-compiles its SM120 kernels with nvcc; install CUDA {profile.cuda.version} with "
         "the apt method (`cuda_method: apt`)."
     )
+    assert not cuda.get("nvcc_refused"), (
+        f"{cuda['nvcc']} was not run: {cuda['nvcc_refused']}, so others could have put their own program there "
+        "and the checks run as root. Make the toolkit's folders and nvcc root's, not writable by others."
+    )
     assert (cuda.get("nvcc_version") or "").startswith(profile.cuda.major_minor + "."), (
         f"nvcc is {cuda.get('nvcc_version')}, the profile wants CUDA {profile.cuda.version}"
     )
@@ -39,7 +43,12 @@ def test_toolkit_nvcc_is_the_profiles_cuda_version(facts, env, profile):
 def test_nvcc_compiles_for_the_target_architecture(facts, env, profile, record_property):
     compile_ = facts["cuda"].get("compile")
     if compile_ is None:
-        pytest.fail("no nvcc to try (see test_toolkit_nvcc_is_the_profiles_cuda_version)")
+        refused = facts["cuda"].get("nvcc_refused")
+        pytest.fail(
+            f"nvcc not run: {refused}"
+            if refused
+            else "no nvcc to try (see test_toolkit_nvcc_is_the_profiles_cuda_version)"
+        )
     if (facts.get("facts_source") or {}).get("nvcc_compile") == "recorded":
         record_property(
             "note",

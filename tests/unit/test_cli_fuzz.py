@@ -104,3 +104,27 @@ def test_a_bad_invocation_gives_one_line_and_exit_2(label, argv, capsys, tmp_pat
     assert "Traceback" not in err
     assert code == 2, f"exit {code}: {err}"
     assert len(err.strip().splitlines()) == 1, err
+
+
+def _a_file(tmp_path) -> str:
+    path = tmp_path / "a-file"
+    path.write_text("")
+    return str(path)
+
+
+PATHS_THAT_CANNOT_BE_USED = [
+    ("store-root-is-a-file", lambda t: ["generations", "--root", _a_file(t)]),
+    ("store-root-under-proc", lambda t: ["prune", "--root", "/proc/self/bwstack-absent", "--keep", "1"]),
+    ("layers-folder-missing", lambda t: ["render", "--layers", "/proc/bwstack-absent"]),
+    ("layers-folder-is-a-file", lambda t: ["render", "--layers", _a_file(t)]),
+]
+
+
+@pytest.mark.parametrize(
+    ("args"), [c[1] for c in PATHS_THAT_CANNOT_BE_USED], ids=[c[0] for c in PATHS_THAT_CANNOT_BE_USED]
+)
+def test_a_path_that_cannot_be_used_is_one_line_and_exit_2(tmp_path, capsys, args):
+    node = ["--ml-env", str(tmp_path / "ml-env"), "--cuda-link", "none"] if args(tmp_path)[0] != "render" else []
+    assert main([*args(tmp_path), *node]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("bwstack: error: ") and "\n" not in err, err

@@ -18,7 +18,7 @@ import yaml
 from helpers import REAL_LOCK, bwstack
 
 from bwstack.cli.main import main
-from bwstack.errors import LockError
+from bwstack.errors import LockError, UsageError
 from bwstack.lock import read as lockread
 from bwstack.lock.model import GENERATED_MARKER, load_lock, parse_lock
 
@@ -129,6 +129,14 @@ CASES: list[tuple[str, Callable[[dict], None] | str, str]] = [
         "sha256 is null, so hash_source must say why",
     ),
     ("wheel-not-whl", _set(f"{TORCH_WHEEL}.file", "torch-2.9.1.tar.gz"), "is not a wheel file name"),
+    # The name becomes a file in bwstack's folders (the resolver wrote its stand-in wheel at any path it named).
+    ("wheel-absolute-path", _set(f"{TORCH_WHEEL}.file", "/tmp/victim.whl"), "is not a valid wheel file name"),
+    (
+        "wheel-path-traversal",
+        _set(f"{TORCH_WHEEL}.file", "../../../tmp/torch-2.9.1-cp312-cp312-manylinux_2_28_x86_64.whl"),
+        "not a valid wheel file name",
+    ),
+    ("wheel-name-not-a-wheel", _set(f"{TORCH_WHEEL}.file", "victim.whl"), "is not a valid wheel file name"),
     (
         "override-reason-too-short",
         _set("profiles.cu130.overrides.0.reason", "needed"),
@@ -517,6 +525,10 @@ HOSTILE_YAML: list[tuple[str, str | bytes, str]] = [
     ("nested-past-libyaml", "[" * 5000 + CANARY, "nest"),  # libyaml's own limit (1000) or bwstack's (32)
     ("list-as-key", f"? [{CANARY}]\n: 1\n", "line 1: a mapping key must be a plain value"),
     ("key-twice-on-one-line", "{a: 1, a: 2}\n" + f"# {CANARY}\n", "duplicate key 'a' (line 1, columns 2 and 8)"),
+    # Power-of-two bases skip Python's limit on digits when read, not when a message shows the number.
+    ("huge-binary-int", f"# {CANARY}\ndefault_profile: 0b" + "1" * 20_000 + "\n", "line 2: a number too large"),
+    ("huge-hex-int", f"# {CANARY}\nschema_version: 0x" + "f" * 5_000 + "\n", "line 2: a number too large"),
+    ("huge-sexagesimal-int", f"# {CANARY}\nx: 1" + ":59" * 3_000 + "\n", "line 2: a number too large"),
 ]
 
 
@@ -682,3 +694,29 @@ def test_editing_an_envelope_changes_no_digest_so_it_needs_no_relock():
         assert after.profiles[name].spec_digest() == before.profiles[name].spec_digest()
         assert after.profiles[name].lock_digest() == before.profiles[name].lock_digest()
         assert after.profiles[name].spec_digest() == before.profiles[name].require_closure("x").spec_digest
+
+
+@pytest.mark.parametrize(
+    "name", ["../escaped-1.0-py3-none-any.whl", "/tmp/abs-1.0-py3-none-any.whl", ".hidden-1.0-py3-none-any.whl", ""]
+)
+def test_the_resolvers_stand_in_wheel_is_written_only_as_a_plain_name_in_its_folder(tmp_path, name):
+    from bwstack.lock.resolve import write_stub_wheel
+
+    folder = tmp_path / "stand-ins"
+    folder.mkdir()
+    with pytest.raises(UsageError):
+        write_stub_wheel(folder, name, "escaped", "1.0", [])
+    assert not list(tmp_path.rglob("*.whl"))
+
+
+def test_the_resolvers_stand_in_wheel_never_writes_through_a_link(tmp_path):
+    from bwstack.lock.resolve import write_stub_wheel
+
+    folder = tmp_path / "stand-ins"
+    folder.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    os.symlink(victim, folder / "torch-2.9.1-cp312-cp312-linux_x86_64.whl")
+    with pytest.raises(UsageError):
+        write_stub_wheel(folder, "torch-2.9.1-cp312-cp312-linux_x86_64.whl", "torch", "2.9.1", [])
+    assert victim.read_text() == "precious\n"

@@ -148,6 +148,28 @@ def test_sigkill_during_adoption_keeps_the_hand_made_env_working_and_a_rerun_fin
     assert _active_imports(stack) == "2.9.1"
 
 
+def test_an_interrupted_adoption_is_finished_only_for_the_env_the_store_adopts(stack, tmp_path):
+    """The record of an interrupted adoption names the folder to move in; one naming another folder (a record
+    someone edited) moves nothing: that generation never completed and is removed, the folder stays as it was."""
+    _hand_made_env(stack)
+    killed = stack.run("adopt", extra_env={"BWSTACK_TEST_KILL_AT": "adopt-before-exchange"})
+    assert killed.returncode == -signal.SIGKILL
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    gen = _store(stack).generations()[0]
+    record = gen.path / "record.json"
+    doc = json.loads(record.read_text())
+    doc["origin"] = f"adopted:{victim}"
+    os.chmod(record, 0o644)
+    record.write_text(json.dumps(doc))
+    os.chmod(record, 0o444)
+    stack.run("prune", "--keep", "5")  # a command that opens the store, which finishes interrupted runs
+    assert (victim / "pyvenv.cfg").is_file() and not victim.is_symlink()
+    assert not gen.path.exists()
+    assert _active_imports(stack) == "2.9.1"  # the hand-made env, still where it was
+
+
 def test_the_kill_tests_cover_more_than_twenty_points():
     assert len(KILL_POINTS) + 12 + 2 >= 20
 

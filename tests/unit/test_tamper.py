@@ -316,3 +316,111 @@ def test_adopt_takes_the_env_over(stack):
     st = os.lstat(stack.ml_env.resolve() / module.relative_to(stack.ml_env))
     assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (os.geteuid(), os.getegid(), 0o444)
     assert _store(stack).active().verify("full") == []
+
+
+@pytest.mark.parametrize("name", ["zzzz_bwstack_generation.pth", "_bwstack_generation.py"])
+def test_adopt_replaces_a_link_planted_at_the_hooks_name_instead_of_writing_through_it(stack, tmp_path, name):
+    """The owner of a hand-made env puts a link where the generation hook goes, to a file only root may write:
+    adopt (root) replaces the link with the hook and leaves that file as it was."""
+    from bwstack.provision.envbuild import find_python
+
+    subprocess.run([find_python("3.12"), "-m", "venv", "--without-pip", str(stack.ml_env)], check=True)
+    victim = tmp_path / "root-only.conf"
+    victim.write_text("precious\n")
+    planted = next(stack.ml_env.glob("lib/python3.*/site-packages")) / name
+    os.symlink(victim, planted)
+    stack.run("adopt", check=True)
+    assert victim.read_text() == "precious\n"
+    hook = stack.ml_env.resolve() / planted.relative_to(stack.ml_env)
+    assert hook.is_file() and not hook.is_symlink()
+    assert _store(stack).active().verify("full") == []
+
+
+def test_adopt_refuses_an_env_whose_site_packages_leads_out_of_it(stack, tmp_path):
+    from bwstack.provision.envbuild import find_python
+
+    subprocess.run([find_python("3.12"), "-m", "venv", "--without-pip", str(stack.ml_env)], check=True)
+    site = next(stack.ml_env.glob("lib/python3.*/site-packages"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.rmdir(site)
+    os.symlink(elsewhere, site)
+    result = stack.run("adopt")
+    assert result.returncode == 2 and not list(elsewhere.iterdir()) and (stack.ml_env / "pyvenv.cfg").is_file()
+    assert "leads out of the env" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------------------------ objects
+
+
+def test_prune_never_removes_files_through_a_link_planted_at_the_objects_folder(two, tmp_path):
+    stack, old, _new = two
+    objects = _store(stack).layout.objects.root
+    victim = tmp_path / "victim"
+    (victim / "ab").mkdir(parents=True)
+    kept = [victim / "ab" / ("ab" + "0" * 62), victim / "ab" / "important.conf"]
+    for path in kept:
+        path.write_text("precious\n")  # one link each: what collect removes in its own folder
+    os.rename(objects, tmp_path / "objects-moved")
+    os.symlink(victim, objects)
+    pruned = json.loads(stack.run("prune", "--keep", "1", "--json", check=True).stdout)
+    assert pruned["removed"] == [old.name]  # a generation went: the objects nothing links to are collected
+    assert all(path.read_text() == "precious\n" for path in kept)
+
+
+def _object(folder: Path, data: bytes) -> tuple[str, Path]:
+    import hashlib
+
+    sha = hashlib.sha256(data).hexdigest()
+    path = folder / sha[:2] / sha
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    os.chmod(path, 0o444)
+    return sha, path
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+@pytest.mark.parametrize(
+    "open_it",
+    [
+        lambda path: os.chown(path, 65534, -1),
+        lambda path: os.chmod(path, 0o666),
+        lambda path: os.chmod(path.parent, 0o777),
+        lambda path: os.chown(path.parent.parent, 65534, -1),
+    ],
+    ids=[
+        "object-of-another-user",
+        "object-writable-by-others",
+        "subfolder-writable-by-others",
+        "folder-of-another-user",
+    ],
+)
+def test_repair_takes_no_bytes_from_an_object_others_could_write(tmp_path, open_it):
+    """An object is linked back into a generation (root's): one another user owns, or could write through, would
+    put their inode into it."""
+    from bwstack.store.objects import ObjectStore
+
+    store = ObjectStore(tmp_path / "cache" / "objects")
+    sha, path = _object(store.root, b"sealed bytes\n")
+    assert store.find(sha) == path
+    open_it(path)
+    assert store.find(sha) is None
+
+
+@pytest.mark.parametrize("kind", ["file", "link-to-a-folder", "dangling-link"])
+def test_a_stray_entry_in_generations_is_listed_as_damaged_and_pruned_without_following_it(two, tmp_path, kind):
+    stack, _old, _new = two
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("kept\n")
+    stray = stack.root / "generations" / "stray"
+    if kind == "file":
+        stray.write_text("dropped here\n")
+    else:
+        os.symlink(elsewhere if kind == "link-to-a-folder" else tmp_path / "absent", stray)
+    rows = json.loads(stack.run("generations", "--json", check=True).stdout)
+    row = next(r for r in rows if r["name"] == "stray")
+    assert row["state"] == "damaged" and "not a directory" in row["why"]
+    pruned = json.loads(stack.run("prune", "--keep", "5", "--json", check=True).stdout)
+    assert pruned["removed"] == ["stray"] and not os.path.lexists(stray)
+    assert (elsewhere / "keep.txt").read_text() == "kept\n"

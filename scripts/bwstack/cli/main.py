@@ -4,6 +4,7 @@ module per command), and the error handlers that turn every failure into one lin
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from collections.abc import Sequence
@@ -56,12 +57,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         where = f"{exc.filename}: " if exc.filename else ""
         _error(f"{where}{exc.strerror or exc}")
-        return 2 if isinstance(exc, PermissionError) else 1
+        return 2 if exc.errno in _FIX_WHERE_IT_POINTS else 1
     except Exception as exc:  # the last line of defence: a person gets one line, not a traceback
         if os.environ.get("BWSTACK_DEBUG"):
             raise
         _error(f"internal error ({type(exc).__name__}: {exc}); BWSTACK_DEBUG=1 shows where")
         return 70
+
+
+# A path that does not exist, is not a folder, cannot be written, or a disk that is full: the command was pointed
+# at something the user or the host must fix (exit 2, like any bad input); anything else is bwstack's failure.
+_FIX_WHERE_IT_POINTS = frozenset({
+    errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC,
+    errno.EDQUOT, errno.ELOOP, errno.ENAMETOOLONG, errno.EXDEV,
+})  # fmt: skip
 
 
 def _error(text: str) -> None:

@@ -19,7 +19,6 @@ it comes instead (what the Ansible tests read).
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -39,6 +38,7 @@ from bwstack.checks import hostspec
 from bwstack.errors import BwstackError, UsageError
 from bwstack.fleet.settings import PlaybookSettings
 from bwstack.fsutil import atomic_write_bytes
+from bwstack.probe import pathtrust
 from bwstack.probe.treecheck import read_bounded, sha256_file
 
 GROUP = "bwstack_nodes"
@@ -109,7 +109,7 @@ def _own_folder(directory: Path, option: str) -> tuple[Path, bool]:
             with contextlib.suppress(FileExistsError):  # made by another run meanwhile: checked below like any
                 os.mkdir(folder, 0o700)
         st = os.lstat(directory)
-        unsafe = _open_to_others(directory)
+        unsafe = pathtrust.open_to_others(directory)
     except OSError as exc:
         raise UsageError(f"{option} {directory}: cannot be made ({exc.strerror})") from None
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
@@ -122,69 +122,10 @@ def _own_folder(directory: Path, option: str) -> tuple[Path, bool]:
             f"{option} {directory}: {unsafe}, so others could replace what bwstack writes there, which nodes run as "
             f"root: set bwstack_controller_cache to a folder only this user can write (or close that one)"
         )
-    if st.st_mode & 0o022 and not (st.st_mode & 0o002 == 0 and _private_group(st.st_gid)):
+    if st.st_mode & 0o022 and not (st.st_mode & 0o002 == 0 and pathtrust.private_group(st.st_gid)):
         os.chmod(directory, stat.S_IMODE(st.st_mode) & ~0o022)
         return directory, False
     return directory, True
-
-
-def _private_group(gid: int) -> bool:
-    """The user's own group (user private groups: a umask of 002 makes folders group-writable for it alone)."""
-    import grp
-    import pwd
-
-    try:
-        name = pwd.getpwuid(os.geteuid()).pw_name
-        return gid == os.getegid() and set(grp.getgrgid(gid).gr_mem) <= {name}
-    except KeyError:
-        return False
-
-
-def _lookup(path: Path) -> tuple[list[str], list[tuple[str, int]]]:
-    """The folders a lookup of `path` passes through, links followed hop by hop as the kernel follows them, and
-    each link met with its owner. (Checking only the folders above the path and above its realpath misses a
-    link in the middle: a -> b/c -> d, where b is the attacker's.)"""
-    folders: list[str] = []
-    links: list[tuple[str, int]] = []
-    current, parts = "/", list(path.parts[1:])
-    while parts:
-        name = parts.pop(0)
-        folders.append(current)
-        candidate = os.path.join(current, name)
-        st = os.lstat(candidate)
-        if not stat.S_ISLNK(st.st_mode):
-            current = candidate
-            continue
-        links.append((candidate, st.st_uid))
-        if len(links) > 40:
-            raise OSError(errno.ELOOP, "too many links", str(path))
-        target = Path(os.readlink(candidate))
-        if target.is_absolute():
-            current, parts = "/", [*target.parts[1:], *parts]
-        else:
-            parts = [*target.parts, *parts]
-    return folders, links
-
-
-def _open_to_others(directory: Path) -> str | None:
-    """Why a folder that a lookup of `directory` passes through lets others replace what is below it: another
-    owner than root or this user, or writable by others without the sticky bit; or a link on the way that
-    another user owns."""
-    folders, links = _lookup(directory)
-    for link, uid in links:
-        if uid not in (0, os.geteuid()):
-            return f"the link {link} belongs to uid {uid}"
-    for folder in dict.fromkeys(folders):
-        st = os.stat(folder)
-        if st.st_uid not in (0, os.geteuid()):
-            return f"{folder} belongs to uid {st.st_uid}"
-        if st.st_mode & stat.S_ISVTX:
-            continue
-        if st.st_mode & 0o002:
-            return f"{folder} is writable by everyone"
-        if st.st_mode & 0o020 and not _private_group(st.st_gid):
-            return f"{folder} is writable by group {st.st_gid}"
-    return None
 
 
 def _holds(path: Path, sha256: str) -> bool:

@@ -18,7 +18,7 @@ from typing import Any
 
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.utils import canonicalize_name
+from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
 from bwstack import paths
@@ -475,6 +475,14 @@ def _wheel(node: _Node) -> Wheel:
     file = node.str("file")
     if not file.endswith(".whl"):
         node.fail(f"{shown(file)} is not a wheel file name (bwstack installs wheels only)", "file")
+    # The name becomes a file in bwstack's folders (the wheel store, the resolver's stand-ins): a plain wheel file
+    # name, never a path.
+    try:
+        parse_wheel_filename(file)
+    except InvalidWheelFilename:
+        node.fail(f"{shown(file)} is not a valid wheel file name (name-version-python-abi-platform.whl)", "file")
+    if "/" in file or "\\" in file or file.startswith("."):
+        node.fail(f"{shown(file)} is a path; a wheel file name names no folder", "file")
     url = _https_url(node, "url")
     hash_source = node.str("hash_source")
     sha = node.raw("sha256")

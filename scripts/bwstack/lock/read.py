@@ -134,10 +134,15 @@ class _Strict:
 
     def construct_object(self, node: Node, deep: bool = False) -> Any:
         try:
-            return super().construct_object(node, deep=deep)  # type: ignore[misc]
+            value = super().construct_object(node, deep=deep)  # type: ignore[misc]
         except (ValueError, TypeError, OverflowError):  # e.g. `2026-13-01` or `!!int x`: a constructor's own error
             line = node.start_mark.line + 1
             raise _Refused(line, "a value YAML cannot construct (bad date, number or tag)") from None
+        # 0x/0b/sexagesimal integers skip Python's limit on digits when read, not when shown in a message: no
+        # number in a lock needs more than 64 bits.
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value).bit_length() > 64:
+            raise _Refused(node.start_mark.line + 1, "a number too large for a lock (more than 64 bits)")
+        return value
 
 
 class StrictCLoader(_Strict, getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]

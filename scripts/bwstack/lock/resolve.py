@@ -22,7 +22,7 @@ import requests
 import yaml
 from packaging.utils import canonicalize_name
 
-from bwstack.errors import BwstackError
+from bwstack.errors import BwstackError, UsageError
 from bwstack.fsutil import atomic_write_text
 from bwstack.lock import pypi
 from bwstack.lock.model import GENERATED_MARKER, HASH_SOURCE_PYPI, Lock, LockedPackage, Profile, Wheel
@@ -40,8 +40,15 @@ def write_stub_wheel(directory: Path, filename: str, name: str, version: str, re
     metadata = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
     metadata += [f"Requires-Dist: {line}" for line in requires_dist]
     wheel = ["Wheel-Version: 1.0", "Generator: bwstack (resolver stand-in)", "Root-Is-Purelib: false"]
+    if not filename or filename != Path(filename).name or filename.startswith("."):
+        raise UsageError(f"{filename!r} is not a wheel file name")
     path = directory / filename
-    with zipfile.ZipFile(path, "w") as archive:
+    # A new file in the resolver's own temporary folder: never through a link, never over a file already there.
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except FileExistsError:
+        raise UsageError(f"{filename!r} is listed twice among the stand-in wheels") from None
+    with os.fdopen(fd, "wb") as handle, zipfile.ZipFile(handle, "w") as archive:
         archive.writestr(f"{dist_info}/METADATA", "\n".join(metadata) + "\n")
         archive.writestr(f"{dist_info}/WHEEL", "\n".join(wheel) + "\n")
         archive.writestr(f"{dist_info}/RECORD", "")

@@ -32,6 +32,7 @@ from bwstack.probe import (
     generation,
     interp,
     osrelease,
+    pathtrust,
     schema,
     sealed,
     treecheck,
@@ -263,7 +264,12 @@ def cuda_facts(env: Path, capability: str, reuse: bool = False, sources: dict | 
     facts["cuda_home_real"] = str(real) if real else None
     nvcc = Path(home, "bin", "nvcc") if home else None
     facts["nvcc"] = str(nvcc) if nvcc and nvcc.is_file() else None
-    if facts["nvcc"]:
+    # The probe runs as root on nodes: an nvcc that others could have put in place is not run (the toolkit checks
+    # then fail, saying why), whatever CUDA_HOME names.
+    refused = pathtrust.program_open_to_others(nvcc) if facts["nvcc"] and nvcc else None
+    if refused:
+        facts["nvcc_refused"] = refused
+    if facts["nvcc"] and not refused:
         rc, out, _ = _run([facts["nvcc"], "--version"])
         match = re.search(r"release (\d+\.\d+), V([\d.]+)", out)
         facts["nvcc_version"] = match.group(2) if match else None

@@ -24,6 +24,7 @@ from bwstack.fsutil import atomic_write_text, fsync_dir
 from bwstack.lock.model import Profile
 from bwstack.lock.tags import Target, select
 from bwstack.lock.uvtool import run_uv, uv_env
+from bwstack.probe import pathtrust, treecheck
 from bwstack.provision.wheelhouse import Fetcher, link_dir
 
 MARKER = "bwstack-toolkit.json"
@@ -52,23 +53,39 @@ def nvcc_version(nvcc: Path) -> str | None:
     return match.group(1) if match else None
 
 
+def _json_file(path: Path) -> dict | None:
+    """A small JSON document of the toolkit (bwstack's marker, NVIDIA's version.json): read bounded, never a FIFO
+    or a device; None when absent, unreadable or not an object."""
+    try:
+        text = treecheck.read_text(path, 1 << 20)
+        doc = json.loads(text) if text is not None else None
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
 def status(home: str | Path) -> ToolkitStatus:
     home = Path(home)
     if not home.exists():
         return ToolkitStatus(str(home), False, None, None, "absent", "not installed")
     nvcc = home / "bin" / "nvcc"
-    version = nvcc_version(nvcc) if nvcc.is_file() else None
-    marker = home / MARKER
+    # Run as root, a program others could have put there is theirs: the toolkit's folders and nvcc itself must be
+    # closed to them (root's or this user's, not writable by others).
+    unsafe = pathtrust.program_open_to_others(nvcc) if nvcc.is_file() else None
+    version = nvcc_version(nvcc) if nvcc.is_file() and unsafe is None else None
+    info = _json_file(home / MARKER)
     managed = "other"
-    note = ""
-    if marker.is_file():
-        info = json.loads(marker.read_text())
+    note = f"nvcc not run: {unsafe}" if unsafe else ""
+    if info is not None:
         managed = "bwstack-pip"
-        version = version or info.get("cuda_version")
+        marked = info.get("cuda_version")
+        version = version or (marked if isinstance(marked, str) else None)
         if not nvcc.is_file():
-            note = info.get("note", "")
-    elif version is None and (home / "version.json").is_file():
-        version = json.loads((home / "version.json").read_text()).get("cuda", {}).get("version")
+            note = str(info.get("note", ""))
+    elif version is None:
+        cuda = (_json_file(home / "version.json") or {}).get("cuda")
+        found = cuda.get("version") if isinstance(cuda, dict) else None
+        version = found if isinstance(found, str) else None
     if not nvcc.is_file() and not note:
         note = f"no nvcc in {home}/bin: FlashInfer cannot JIT-compile kernels with this toolkit"
     return ToolkitStatus(str(home), True, version, str(nvcc) if nvcc.is_file() else None, managed, note)

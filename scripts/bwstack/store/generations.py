@@ -236,10 +236,15 @@ class Store:
             if name.startswith("."):
                 continue
             path = self.layout.generations / name
-            if stat.S_ISDIR(os.lstat(path).st_mode):
+            try:
+                mode = os.lstat(path).st_mode
+            except FileNotFoundError:  # removed since it was listed
+                continue
+            if stat.S_ISDIR(mode):
                 record, problem = read_record(path)
-            else:
-                record, problem = {}, "not a directory"
+            else:  # a file or a link dropped there: listed as damaged (prune removes it), never followed
+                gen_id = _id_from_name(name)
+                record, problem = record_module.empty(-1 if gen_id is None else gen_id), "not a directory"
             out.append(Generation(path, record, problem))
         return sorted(out, key=lambda g: (g.id, g.name))
 
@@ -660,8 +665,13 @@ def write_hook(env: Path, name: str) -> None:
     # The hook is a real module of bwstack's (store/generation_hook.py: linted and read like any other code),
     # copied in with a first line that names the generation for whoever opens the file.
     source = resources.files("bwstack.store").joinpath("generation_hook.py").read_text(encoding="utf-8")
-    (sp / HOOK_MODULE).write_text(f"# bwstack generation {name}\n{source}")
-    (sp / HOOK_PTH).write_text("import _bwstack_generation\n")
+    # An adopted env was made by someone else: its site-packages must be its own folder, and a link already at
+    # the hook's names is replaced, never written through (it could lead to any file root can write).
+    real_env, real_sp = os.path.realpath(env), os.path.realpath(sp)
+    if os.path.commonpath([real_env, real_sp]) != real_env:
+        raise UsageError(f"{sp} leads out of the env (to {real_sp}): refusing to write the generation hook there")
+    atomic_write_text(sp / HOOK_MODULE, f"# bwstack generation {name}\n{source}")
+    atomic_write_text(sp / HOOK_PTH, "import _bwstack_generation\n")
 
 
 def run_env_check(env_path: Path, real_env: Path, name: str, torch: dict, *, what: str = "env check") -> dict:

@@ -51,11 +51,15 @@ def swap_in(real_dir: Path, placeholder: Path, log: Log) -> None:
 
 def finish_interrupted_adoption(store: Store, log: Log = print) -> None:
     """A kill between committing an adopted generation and swapping the directory in: finish the swap."""
+    placeholder = str(store.layout.current / "env")
     for gen in store.usable():
         adopted_from = gen.record.adopted_from
         if gen.env.is_symlink() and adopted_from is not None:
             src = Path(adopted_from)
-            if src.is_dir() and not src.is_symlink():
+            # Only what adopt itself leaves: its placeholder link, and the env this store adopts (a record naming
+            # another folder would have bwstack move that folder into the store). Anything else never completed.
+            ours = src == store.layout.ml_env and os.readlink(gen.env) == placeholder
+            if ours and src.is_dir() and not src.is_symlink() and (src / "pyvenv.cfg").is_file():
                 log(f"finishing the interrupted adoption of {src} as {gen.name}")
                 if store.active_or_none() is None or store.active_or_none().name != gen.name:
                     store.flip(gen.name, None, f"adopt {src} (finishing an interrupted run)")

@@ -1,0 +1,93 @@
+"""Whether others than root and this user could replace a path: what bwstack checks before it runs a program it
+did not install (a toolkit's nvcc) or ships a file it keeps (the controller's cache) to nodes that run it as root.
+
+Standard library only: the probe runs this on target hosts."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+
+def private_group(gid: int) -> bool:
+    """The user's own group (user private groups: a umask of 002 makes folders group-writable for it alone)."""
+    import grp
+    import pwd
+
+    try:
+        name = pwd.getpwuid(os.geteuid()).pw_name
+        return gid == os.getegid() and set(grp.getgrgid(gid).gr_mem) <= {name}
+    except KeyError:
+        return False
+
+
+def lookup(path: Path) -> tuple[list[str], list[tuple[str, int]]]:
+    """The folders a lookup of `path` passes through, links followed hop by hop as the kernel follows them, and
+    each link met with its owner. (Checking only the folders above the path and above its realpath misses a
+    link in the middle: a -> b/c -> d, where b is the attacker's.)"""
+    folders: list[str] = []
+    links: list[tuple[str, int]] = []
+    current, parts = "/", list(Path(os.path.abspath(path)).parts[1:])
+    while parts:
+        name = parts.pop(0)
+        folders.append(current)
+        candidate = os.path.join(current, name)
+        st = os.lstat(candidate)
+        if not stat.S_ISLNK(st.st_mode):
+            current = candidate
+            continue
+        links.append((candidate, st.st_uid))
+        if len(links) > 40:
+            raise OSError(errno.ELOOP, "too many links", str(path))
+        target = Path(os.readlink(candidate))
+        if target.is_absolute():
+            current, parts = "/", [*target.parts[1:], *parts]
+        else:
+            parts = [*target.parts, *parts]
+    return folders, links
+
+
+def _writable_by_others(st: os.stat_result) -> str | None:
+    if st.st_mode & 0o002:
+        return "writable by everyone"
+    if st.st_mode & 0o020 and not private_group(st.st_gid):
+        return f"writable by group {st.st_gid}"
+    return None
+
+
+def open_to_others(directory: Path) -> str | None:
+    """Why a folder that a lookup of `directory` passes through lets others replace what is below it: another
+    owner than root or this user, or writable by others without the sticky bit; or a link on the way that
+    another user owns. None when nobody else can."""
+    folders, links = lookup(directory)
+    for link, uid in links:
+        if uid not in (0, os.geteuid()):
+            return f"the link {link} belongs to uid {uid}"
+    for folder in dict.fromkeys(folders):
+        st = os.stat(folder)
+        if st.st_uid not in (0, os.geteuid()):
+            return f"{folder} belongs to uid {st.st_uid}"
+        if st.st_mode & stat.S_ISVTX:
+            continue
+        why = _writable_by_others(st)
+        if why:
+            return f"{folder} is {why}"
+    return None
+
+
+def program_open_to_others(program: Path) -> str | None:
+    """Why others than root and this user could have put their own code at `program` (its folders, as
+    open_to_others, and the file itself: its owner and mode), or None. An unreadable path is a reason too."""
+    try:
+        why = open_to_others(Path(program))
+        if why:
+            return why
+        st = os.stat(program)
+    except OSError as exc:
+        return f"{program} cannot be checked ({exc.strerror or exc})"
+    if st.st_uid not in (0, os.geteuid()):
+        return f"{program} belongs to uid {st.st_uid}"
+    why = _writable_by_others(st)
+    return f"{program} is {why}" if why else None
