@@ -242,6 +242,19 @@ def test_forgetting_never_follows_a_link_in_place_of_the_cache_folder(stack, tmp
     assert (elsewhere / "0007-fixture-old-0123456789ab.json").read_text() == "someone else's"
 
 
+def test_forgetting_never_follows_a_link_in_place_of_the_store_cache_folder_above_it(stack, tmp_path):
+    stack.build("fixture-new", check=True)
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "verify-facts").mkdir(parents=True)
+    (elsewhere / "verify-facts" / "0007-fixture-old-0123456789ab.json").write_text("someone else's")
+    cache = sealed.derived_folder(stack.root).parent
+    if cache.exists():
+        remove_tree(cache)
+    cache.symlink_to(elsewhere)
+    stack.run("prune", "--keep", "1", "--json", check=True)
+    assert (elsewhere / "verify-facts" / "0007-fixture-old-0123456789ab.json").read_text() == "someone else's"
+
+
 def test_a_second_run_while_one_holds_the_store_says_who_holds_it(stack):
     stack.root.mkdir(parents=True)
     with RunLock(stack.root, command="bwstack build --profile fixture-new"):

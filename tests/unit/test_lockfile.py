@@ -529,6 +529,9 @@ HOSTILE_YAML: list[tuple[str, str | bytes, str]] = [
     ("huge-binary-int", f"# {CANARY}\ndefault_profile: 0b" + "1" * 20_000 + "\n", "line 2: a number too large"),
     ("huge-hex-int", f"# {CANARY}\nschema_version: 0x" + "f" * 5_000 + "\n", "line 2: a number too large"),
     ("huge-sexagesimal-int", f"# {CANARY}\nx: 1" + ":59" * 3_000 + "\n", "line 2: a number too large"),
+    # Built digit group by digit group in quadratic time: refused before it is built (400,000 groups took 48 s).
+    ("sexagesimal-int-of-a-megabyte", f"# {CANARY}\nx: 1" + ":59" * 400_000 + "\n", "line 2: a number too large"),
+    ("long-float", f"# {CANARY}\nx: 1." + "5" * 100 + "\n", "line 2: a number too large"),
 ]
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -107,9 +109,61 @@ def test_the_import_check_names_the_files_it_loaded_from_outside_the_env():
     assert str(Path(ctypes.__file__)) in paths, "a module file read"
     assert any("_ctypes" in p and ".so" in p for p in paths), "an extension module mapped"
     assert not any(p == inside or p.startswith(inside + "/") for p in paths), "the env's own files left out"
+    assert str(Path(ctypes.__file__).parent) in paths, "the folder a module was found in"
+    assert any(p.endswith("/lib-dynload") for p in paths), "a folder on sys.path"
     for path, *stamp in run.loaded:
+        if stamp == [None]:  # absent when it ran (a bytecode file never written): it must still be
+            assert not os.path.exists(path), path
+            continue
         st = os.stat(path)
         assert stamp == [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns], path
+
+
+def _loaded_by(tmp_path, extra_env: dict) -> list:
+    from bwstack.probe import main as probe
+
+    env = {**interp.clean_env(), **extra_env}
+    run = probe._import_all(sys.executable, {"json": "import json"}, env, [])
+    assert run.results["json"]["ok"] and run.loaded is not None
+    return run.loaded
+
+
+def test_a_module_dropped_into_a_folder_imports_search_changes_what_was_loaded(tmp_path):
+    """A torch.py put where the interpreter looks first shadows the env's torch: the folder's listing is part of
+    what a reused outcome depends on."""
+    from bwstack.probe import sealed
+
+    searched = tmp_path / "searched"
+    searched.mkdir()
+    loaded = _loaded_by(tmp_path, {"PYTHONPATH": str(searched)})
+    assert sealed.loaded_changed(loaded) is None
+    (searched / "torch.py").write_text("raise ImportError('shadowed')\n")
+    assert sealed.loaded_changed(loaded) == f"{searched} changed since the imports ran"
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not found")
+@pytest.mark.parametrize("folder", ["new\nline", "/dev/shm"], ids=["newline-in-the-path", "dev-shm"])
+def test_a_preloaded_library_copied_over_in_place_is_seen_wherever_it_lives(tmp_path, folder):
+    """/proc/self/maps escapes a newline in a path; /dev/shm holds regular files, not devices."""
+    from bwstack.probe import sealed
+
+    where = Path(folder) if folder.startswith("/") else tmp_path / folder
+    if not os.access(where if where.exists() else tmp_path, os.W_OK):
+        pytest.skip(f"{where} is not writable here")
+    where.mkdir(exist_ok=True)
+    source = tmp_path / "pre.c"
+    source.write_text("int bwstack_test_preload(void) { return 1; }\n")
+    lib = where / f"libbwstacktest-{os.getpid()}-{tmp_path.name}.so"
+    try:
+        subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(lib), str(source)], check=True)
+        loaded = _loaded_by(tmp_path, {"LD_PRELOAD": str(lib)})
+        assert any(entry[0] == str(lib) and len(entry) == 6 for entry in loaded), "the library, stamped"
+        assert sealed.loaded_changed(loaded) is None
+        shutil.copyfile(lib, tmp_path / "copy.so")
+        shutil.copyfile(tmp_path / "copy.so", lib)  # in place
+        assert sealed.loaded_changed(loaded) is not None
+    finally:
+        lib.unlink(missing_ok=True)
 
 
 def test_a_child_runs_from_the_root_directory_not_the_callers(tmp_path, monkeypatch):

@@ -327,12 +327,13 @@ def test_a_preloaded_library_is_part_of_the_host_fingerprint(tmp_path, monkeypat
     ("loaded", "why"),
     [
         (None, "were not recorded"),
-        ([["/x", 1]], "replaced while the imports ran"),
+        ([["/x"]], "replaced while the imports ran"),
+        ([["/", None]], "appeared since the imports ran"),
         ([["/nonexistent/bwstack/lib.so", 1, 2, 3, 4, 5]], "is gone since the imports ran"),
         ([[3, 1, 2, 3, 4, 5]], "recorded malformed"),
         (["/x"], "recorded malformed"),
     ],
-    ids=["unknown", "replaced-while-mapped", "gone", "path-not-text", "entry-not-a-list"],
+    ids=["unknown", "replaced-while-mapped", "absent-then-present", "gone", "path-not-text", "entry-not-a-list"],
 )
 def test_an_import_outcome_whose_loaded_files_cannot_be_checked_is_not_reused(loaded, why):
     assert why in sealed.loaded_changed(loaded)

@@ -424,3 +424,21 @@ def test_a_stray_entry_in_generations_is_listed_as_damaged_and_pruned_without_fo
     pruned = json.loads(stack.run("prune", "--keep", "5", "--json", check=True).stdout)
     assert pruned["removed"] == ["stray"] and not os.path.lexists(stray)
     assert (elsewhere / "keep.txt").read_text() == "kept\n"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root")
+@pytest.mark.parametrize(
+    "open_it",
+    [lambda c: os.chown(c, 65534, 65534), lambda c: os.chmod(c, 0o777), lambda c: os.chmod(c, 0o1777)],
+    ids=["another-users", "writable-by-everyone", "sticky-but-writable-by-everyone"],
+)
+def test_a_cache_folder_others_could_write_is_refused_before_anything_is_built(stack, tmp_path, open_it):
+    """Wheels, uv's unpacked files and the hashes of sealed files live in the cache: a shared BWSTACK_CACHE
+    another user can write would put their files into root's generations (a repair raced that way)."""
+    shared = tmp_path / "shared-cache"
+    shared.mkdir()
+    open_it(shared)
+    result = stack.build("fixture-old", extra_env={"BWSTACK_CACHE": str(shared)})
+    assert result.returncode == 2 and "is not this user's alone" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not list(shared.iterdir())
+    assert not (stack.root / "generations").exists() or not list((stack.root / "generations").iterdir())

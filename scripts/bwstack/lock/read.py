@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from yaml.nodes import MappingNode, Node
+from yaml.nodes import MappingNode, Node, ScalarNode
 
 from bwstack.errors import LockError, UsageError
 
@@ -99,6 +99,10 @@ class _Refused(Exception):
         self.message = message
 
 
+_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+MAX_NUMBER_TEXT = 80  # characters: every number a lock needs is far shorter (binary 64-bit: 66 with "0b")
+
+
 class _Strict:
     """Mapping construction that refuses duplicate and merge keys, for PyYAML's safe loaders.
 
@@ -133,6 +137,10 @@ class _Strict:
         return mapping
 
     def construct_object(self, node: Node, deep: bool = False) -> Any:
+        # A sexagesimal number (1:59:59...) is built digit group by digit group in quadratic time: a number that
+        # long is refused before it is built (64 bits need at most 22 octal digits plus a sign and a prefix).
+        if isinstance(node, ScalarNode) and node.tag in _NUMBER_TAGS and len(node.value) > MAX_NUMBER_TEXT:
+            raise _Refused(node.start_mark.line + 1, "a number too large for a lock (more than 64 bits)")
         try:
             value = super().construct_object(node, deep=deep)  # type: ignore[misc]
         except (ValueError, TypeError, OverflowError):  # e.g. `2026-13-01` or `!!int x`: a constructor's own error

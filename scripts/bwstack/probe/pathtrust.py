@@ -12,14 +12,28 @@ from pathlib import Path
 
 
 def private_group(gid: int) -> bool:
-    """The user's own group (user private groups: a umask of 002 makes folders group-writable for it alone)."""
+    """The user's own group (user private groups: a umask of 002 makes folders group-writable for it alone): this
+    user's primary group, with no other member and no other user whose primary group it is."""
     import grp
     import pwd
 
     try:
         name = pwd.getpwuid(os.geteuid()).pw_name
-        return gid == os.getegid() and set(grp.getgrgid(gid).gr_mem) <= {name}
+        if gid != os.getegid() or not set(grp.getgrgid(gid).gr_mem) <= {name}:
+            return False
+        return not any(user.pw_gid == gid and user.pw_name != name for user in pwd.getpwall())
     except KeyError:
+        return False
+
+
+def has_acl(path: str | os.PathLike[str] | int) -> bool:
+    """An access ACL grants others what the mode bits do not show (the group bits are then its mask). `path`: a
+    path (a link there is not followed) or an open descriptor."""
+    try:
+        if isinstance(path, int):
+            return "system.posix_acl_access" in os.listxattr(path)
+        return "system.posix_acl_access" in os.listxattr(path, follow_symlinks=False)
+    except OSError:  # a filesystem without extended attributes has no ACLs
         return False
 
 
@@ -49,11 +63,13 @@ def lookup(path: Path) -> tuple[list[str], list[tuple[str, int]]]:
     return folders, links
 
 
-def _writable_by_others(st: os.stat_result) -> str | None:
+def _writable_by_others(path: str | os.PathLike[str], st: os.stat_result) -> str | None:
     if st.st_mode & 0o002:
         return "writable by everyone"
     if st.st_mode & 0o020 and not private_group(st.st_gid):
         return f"writable by group {st.st_gid}"
+    if has_acl(path):
+        return "given to others by an access ACL"
     return None
 
 
@@ -71,7 +87,7 @@ def open_to_others(directory: Path) -> str | None:
             return f"{folder} belongs to uid {st.st_uid}"
         if st.st_mode & stat.S_ISVTX:
             continue
-        why = _writable_by_others(st)
+        why = _writable_by_others(folder, st)
         if why:
             return f"{folder} is {why}"
     return None
@@ -89,5 +105,5 @@ def program_open_to_others(program: Path) -> str | None:
         return f"{program} cannot be checked ({exc.strerror or exc})"
     if st.st_uid not in (0, os.geteuid()):
         return f"{program} belongs to uid {st.st_uid}"
-    why = _writable_by_others(st)
+    why = _writable_by_others(os.path.realpath(program), st)
     return f"{program} is {why}" if why else None

@@ -324,8 +324,14 @@ def forget_derived(store_root: Path, generations: set[str]) -> list[str]:
     completed): nothing of theirs can be reused, and a store that builds often would keep a file per build.
     Names this module does not write are left alone; the folder is opened without following a link and each
     file is unlinked relative to it (unlink never follows one). Returns the names removed."""
-    try:
-        fd = os.open(derived_folder(store_root), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    folder = derived_folder(store_root)
+    try:  # cache/ and verify-facts/ each opened without following a link (one at cache/ led elsewhere)
+        parent = os.open(folder.parent, flags)
+        try:
+            fd = os.open(folder.name, flags, dir_fd=parent)
+        finally:
+            os.close(parent)
     except OSError:
         return []  # none yet, or not a folder this store made
     removed = []
@@ -418,23 +424,32 @@ def save_derived(env: Path, key: str | None, value: object) -> None:
 
 
 def loaded_changed(loaded: object) -> str | None:
-    """None when every file an env's interpreter loaded from outside the env (the import script's list: [path, dev,
-    ino, size, mtime_ns, ctime_ns] each) is still that file, unchanged; else what moved. The host fingerprint
-    covers the library folders, which an in-place `cp` over a library leaves as they were: its own stat does
-    not (the copy moves the file's mtime and ctime)."""
+    """None when everything an env's interpreter depended on outside the env while importing (the import script's
+    list) is as it was; else what moved. Each entry: [path, dev, ino, size, mtime_ns, ctime_ns] of a file it
+    loaded or a folder it searched, [path, None] of a path that was absent (a bytecode file never written, a
+    sys.path entry that does not exist), or [path] of a file replaced while it was mapped. The host fingerprint
+    covers the library folders, which an in-place `cp` over a library leaves as they were: the library's own stat
+    does not (the copy moves its mtime and ctime); a module dropped into a folder on sys.path moves the folder's."""
     if not isinstance(loaded, list):
         return "the files the imports loaded were not recorded"
     for entry in loaded:
         if not (isinstance(entry, list) and entry and isinstance(entry[0], str)):
             return "the files the imports loaded were recorded malformed"
-        if len(entry) != 6:
-            return f"{entry[0]} was replaced while the imports ran"
+        path = entry[0]
+        if len(entry) == 1:
+            return f"{path} was replaced while the imports ran"
         try:
-            st = os.stat(entry[0])
+            st = os.stat(path)
+        except FileNotFoundError:
+            if entry[1:] == [None]:
+                continue
+            return f"{path} is gone since the imports ran"
         except OSError:
-            return f"{entry[0]} is gone since the imports ran"
+            return f"{path} cannot be checked"
+        if entry[1:] == [None]:
+            return f"{path} appeared since the imports ran"
         if [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns] != entry[1:]:
-            return f"{entry[0]} changed since the imports ran"
+            return f"{path} changed since the imports ran"
     return None
 
 

@@ -29,7 +29,6 @@ import enum
 import errno
 import json
 import os
-import shutil
 import stat
 import time
 from dataclasses import dataclass, field
@@ -599,20 +598,13 @@ class Store:
                 remove_tree(path)
                 os.symlink(entry.sha256, path)
             else:
-                source = self.layout.objects.find(entry.sha256)
-                if source is None:
+
+                def clear(path: Path = path) -> None:
+                    make_writable_parent(path)
+                    remove_tree(path)
+
+                if not self.layout.objects.restore(entry.sha256, path, entry.mode, (entry.uid, entry.gid), clear):
                     continue
-                make_writable_parent(path)
-                remove_tree(path)
-                src_st = os.lstat(source)
-                if stat.S_IMODE(src_st.st_mode) == entry.mode and (src_st.st_uid, src_st.st_gid) == (
-                    entry.uid,
-                    entry.gid,
-                ):
-                    os.link(source, path)
-                else:
-                    shutil.copy2(source, path)
-                    os.chmod(path, entry.mode)
                 repaired_files = True
             if entry.uid is not None and os.geteuid() == 0:
                 os.lchown(path, entry.uid, entry.gid)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from bwstack import paths
 from bwstack.errors import UsageError
+from bwstack.probe import pathtrust
 from bwstack.store.objects import ObjectStore
 
 
@@ -92,3 +93,29 @@ class Layout:
     @property
     def objects(self) -> ObjectStore:
         return ObjectStore(self.cache / "objects")
+
+
+def check_cache(layout: Layout) -> None:
+    """Refuse a cache folder others could write (a shared BWSTACK_CACHE another user owns or opened up): the wheels,
+    uv's unpacked files and the hashes of sealed files kept there become root's generations. Nothing to check
+    where it does not exist yet (bwstack makes it, as the store's own)."""
+    cache = layout.cache
+    try:
+        st = os.stat(cache)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise UsageError(f"the cache folder {cache}: {exc.strerror}") from None
+    try:
+        why = pathtrust.open_to_others(cache)
+    except OSError as exc:
+        raise UsageError(f"the cache folder {cache}: {exc.strerror}") from None
+    if why is None and st.st_uid != os.geteuid():
+        why = f"{cache} belongs to uid {st.st_uid}"
+    if why is None and (st.st_mode & 0o022 or pathtrust.has_acl(cache)):
+        why = f"{cache} is writable by others"
+    if why:
+        raise UsageError(
+            f"the cache folder {cache} is not this user's alone ({why}): what others put there would become "
+            "files of the generations bwstack builds; use a folder only this user can write (BWSTACK_CACHE)"
+        )

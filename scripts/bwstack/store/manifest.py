@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from bwstack.fsutil import atomic_write_text
 from bwstack.probe.treecheck import differences, read_bounded, sha256_file, valid_row, walk
 
 FORMAT = 2
@@ -206,6 +207,9 @@ def total_size(entries: Iterable[Entry]) -> int:
     return sum(e.size for e in entries if e.kind == "f")
 
 
+MAX_HASH_CACHE_BYTES = 256 << 20  # 400,000 rows of about 200 bytes, with room
+
+
 class HashCache:
     """sha256 of files hard-linked from uv's cache into generations, so that a generation built in another
     store from the same cache is not hashed again.
@@ -222,7 +226,7 @@ class HashCache:
 
     def _rows(self) -> list:
         try:
-            rows = json.loads(self.path.read_text())
+            rows = json.loads(read_bounded(self.path, MAX_HASH_CACHE_BYTES, "the file-hash cache"))
         except (OSError, ValueError):
             return []
         return rows if isinstance(rows, list) else []
@@ -254,10 +258,8 @@ class HashCache:
                 rows.append([st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, e.sha256, str(path)])
                 seen.add((st.st_dev, st.st_ino))
         rows = rows[-self.LIMIT :]
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(rows, separators=(",", ":")))
-            os.replace(tmp, self.path)
+            atomic_write_text(self.path, json.dumps(rows, separators=(",", ":")))  # never through a link
         except OSError:
-            tmp.unlink(missing_ok=True)
+            return

@@ -17,9 +17,10 @@ import errno
 import hashlib
 import os
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+from bwstack.probe import pathtrust
 from bwstack.store import manifest
 
 SHA_LEN = 64
@@ -33,7 +34,7 @@ def _ours(fd: int) -> bool:
     """A folder or file of this user's that nobody else can write: the only kind the store links from or into,
     removes from, or takes bytes from. (A cache folder shared with another user, BWSTACK_CACHE, is left alone.)"""
     st = os.fstat(fd)
-    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022 and not pathtrust.has_acl(fd)
 
 
 def _hex(name: str, length: int) -> bool:
@@ -122,31 +123,80 @@ class ObjectStore:
                         os.close(sub)
         return added
 
-    def find(self, sha: str) -> Path | None:
-        """The object for `sha`, if one exists, is this user's alone and still holds exactly those bytes."""
+    @contextlib.contextmanager
+    def _opened(self, sha: str) -> Iterator[tuple[int, int] | None]:
+        """(its subfolder, the object) as descriptors when the object for `sha` exists, is this user's alone and
+        holds exactly those bytes (hashed from the descriptor), else None."""
         if not _hex(sha, SHA_LEN):
-            return None
+            yield None
+            return
         with self._folder() as folder:
             sub = self._sub(folder, sha[:2]) if folder is not None else None
             if sub is None:
-                return None
+                yield None
+                return
             try:
-                fd = os.open(sha, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=sub)
-            except OSError:
-                return None
+                try:
+                    fd = os.open(sha, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=sub)
+                except OSError:
+                    yield None
+                    return
+                try:
+                    yield (sub, fd) if self._holds(fd, sha) else None
+                finally:
+                    os.close(fd)
             finally:
                 os.close(sub)
-            with open(fd, "rb", buffering=0) as handle:
-                st = os.fstat(handle.fileno())
-                if not stat.S_ISREG(st.st_mode) or not _ours(handle.fileno()):
-                    return None
-                digest = hashlib.sha256()
-                try:
-                    while chunk := handle.read(1 << 20):
-                        digest.update(chunk)
-                except OSError:
-                    return None
-            return self.path(sha) if digest.hexdigest() == sha else None
+
+    @staticmethod
+    def _holds(fd: int, sha: str) -> bool:
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or not _ours(fd):
+            return False
+        digest = hashlib.sha256()
+        offset = 0
+        try:
+            while chunk := os.pread(fd, 1 << 20, offset):
+                digest.update(chunk)
+                offset += len(chunk)
+        except OSError:
+            return False
+        return digest.hexdigest() == sha
+
+    def find(self, sha: str) -> Path | None:
+        """The object for `sha`, if one exists, is this user's alone and still holds exactly those bytes."""
+        with self._opened(sha) as opened:
+            return self.path(sha) if opened is not None else None
+
+    def restore(
+        self, sha: str, target: Path, mode: int, owner: tuple[int | None, int | None], clear: Callable[[], None]
+    ) -> bool:
+        """Put the object for `sha` at `target`: a hard link to it where it already has the mode and owner the
+        manifest wants, else a copy of its bytes. Both are made from the descriptors whose content was just
+        checked (a path looked up again could lead to what another user swapped in meanwhile). `clear()` is
+        called once the object is known good, to remove what is at `target`. False, with nothing cleared: no
+        trusted object."""
+        with self._opened(sha) as opened:
+            if opened is None:
+                return False
+            sub, fd = opened
+            clear()
+            st = os.fstat(fd)
+            if stat.S_IMODE(st.st_mode) == mode and (st.st_uid, st.st_gid) == owner:
+                os.link(sha, target, src_dir_fd=sub, follow_symlinks=False)
+                if os.lstat(target).st_ino == st.st_ino:
+                    return True
+                os.unlink(target)  # the name led elsewhere by now: copy the checked bytes instead
+            out = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                offset = 0
+                while chunk := os.pread(fd, 1 << 20, offset):
+                    os.write(out, chunk)
+                    offset += len(chunk)
+                os.fchmod(out, mode)
+                os.utime(out, ns=(st.st_atime_ns, st.st_mtime_ns))
+            finally:
+                os.close(out)
+            return True
 
     def collect(self) -> int:
         """Remove objects that no generation or cache links to any more (only names this module writes)."""

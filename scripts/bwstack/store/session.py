@@ -16,7 +16,7 @@ from pathlib import Path
 
 from bwstack.fsutil import atomic_symlink
 from bwstack.store.generations import Store
-from bwstack.store.layout import Layout
+from bwstack.store.layout import Layout, check_cache
 from bwstack.store.runlock import RunLock
 from bwstack.store.tree import exchange, remove_tree
 
@@ -26,6 +26,7 @@ Log = Callable[[str], None]
 @contextmanager
 def open_store(layout: Layout, log: Log = print) -> Iterator[Store]:
     """The store at `layout`, locked for this run, prepared, with any interrupted adoption finished."""
+    check_cache(layout)
     with RunLock(layout.root):
         store = Store(layout, log)
         store.prepare()

@@ -24,6 +24,7 @@ def run(args: argparse.Namespace) -> int:
     from bwstack.lock.model import load_lock
     from bwstack.provision import cudatk
     from bwstack.provision.wheelhouse import Fetcher
+    from bwstack.store.layout import check_cache
 
     console = Console.of(args)
     profile = load_lock(args.lock).profile(args.profile)
@@ -35,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
         return 0 if st.exists else 1
     options.apply_ca_bundle(args)
     layout = options.layout(args)
+    check_cache(layout)
     fetcher = Fetcher(layout.wheel_store, options.sources(args), log=console.log)
     before = cudatk.status(home)
     st = cudatk.install_pip(profile, fetcher, home, log=console.log)
