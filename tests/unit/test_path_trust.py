@@ -163,3 +163,59 @@ def test_the_probe_does_not_run_an_nvcc_others_could_replace(tmp_path, monkeypat
     assert not (tmp_path / "ran").exists(), "the planted nvcc ran"
     assert "is writable by everyone" in facts["nvcc_refused"] and "compile" not in facts
 
+
+
+def _open_ptxas(home: Path) -> str:
+    (home / "bin" / "ptxas").write_text("#!/bin/sh\n")
+    os.chmod(home / "bin" / "ptxas", 0o777)
+    return "ptxas is writable by everyone"
+
+
+def _open_profile(home: Path) -> str:
+    (home / "bin" / "nvcc.profile").write_text("INCLUDES += -I$(TOP)/include\n")
+    os.chmod(home / "bin" / "nvcc.profile", 0o666)
+    return "nvcc.profile is writable by everyone"
+
+
+def _cicc_of_another_user(home: Path) -> str:
+    (home / "nvvm" / "bin").mkdir(parents=True)
+    (home / "nvvm" / "bin" / "cicc").write_text("#!/bin/sh\n")
+    os.chown(home / "nvvm" / "bin" / "cicc", OTHER_UID, -1)
+    return f"cicc belongs to uid {OTHER_UID}"
+
+
+def _link_to_a_program_others_can_write(home: Path) -> str:
+    elsewhere = home.parent / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "fatbinary").write_text("#!/bin/sh\n")
+    os.chmod(elsewhere / "fatbinary", 0o777)
+    os.symlink(elsewhere / "fatbinary", home / "bin" / "fatbinary")
+    return "fatbinary is writable by everyone"
+
+
+WHAT_NVCC_RUNS = [_open_ptxas, _open_profile, _cicc_of_another_user, _link_to_a_program_others_can_write]
+
+
+@needs_root
+@pytest.mark.parametrize("open_it", WHAT_NVCC_RUNS, ids=[f.__name__.strip("_") for f in WHAT_NVCC_RUNS])
+def test_nvcc_is_not_run_when_what_it_starts_could_be_replaced(tmp_path, open_it, monkeypatch):
+    """nvcc is a driver: it runs cicc, ptxas and fatbinary from the toolkit and reads nvcc.profile."""
+    home = _toolkit(tmp_path)
+    why = open_it(home)
+    found = pathtrust.toolkit_open_to_others(home)
+    assert found is not None and why in found, found
+    status = cudatk.status(home)
+    assert not (tmp_path / "ran").exists() and status.note.startswith("nvcc not run: ")
+    env = tmp_path / "env"
+    (env / "bin").mkdir(parents=True)
+    os.symlink(sys.executable, env / "bin" / "python")
+    monkeypatch.setenv("CUDA_HOME", str(home))
+    facts = probe.cuda_facts(env, "12.0")
+    assert not (tmp_path / "ran").exists() and why in facts["nvcc_refused"]
+
+
+def test_a_toolkit_with_more_paths_than_can_be_checked_is_not_trusted(tmp_path):
+    home = _toolkit(tmp_path)
+    for i in range(5):
+        (home / "bin" / f"tool{i}").write_text("")
+    assert "more than 3 paths" in pathtrust.toolkit_open_to_others(home, limit=3)

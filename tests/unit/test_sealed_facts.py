@@ -309,6 +309,42 @@ def test_an_import_outcome_is_not_reused_after_a_library_it_loaded_was_copied_ov
         sealed.host_fingerprint.cache_clear()
 
 
+@needs_py312
+@pytest.mark.parametrize("variable", ["TORCH_USE_RTLD_GLOBAL", "LD_AUDIT", "SGLANG_ENABLE_JIT_DEEPGEMM"])
+def test_an_import_outcome_recorded_in_another_environment_is_not_reused(built, monkeypatch, variable):
+    """What the import interpreters inherit changes what they do (torch reads TORCH_USE_RTLD_GLOBAL, the loader
+    LD_AUDIT, SGLang its SGLANG_* switches): a result from another environment is computed again."""
+    monkeypatch.delenv(variable, raising=False)
+    first = probe.collect(built.ml_env, CAPABILITY, runtime=False)
+    again = probe.collect(built.ml_env, CAPABILITY, runtime=False)
+    assert again["facts_source"].get("imports") == "recorded", again["facts_source"]
+    monkeypatch.setenv(variable, "/nonexistent/bwstack-test" if variable == "LD_AUDIT" else "1")
+    other = probe.collect(built.ml_env, CAPABILITY, runtime=False)
+    assert "imports" not in other["facts_source"], other["facts_source"]
+    assert first["imports"]
+
+
+def test_the_environment_key_leaves_out_only_what_changes_between_sessions(monkeypatch, tmp_path):
+    monkeypatch.setenv("PWD", "/somewhere")
+    before = sealed.environment_key()
+    monkeypatch.setenv("PWD", "/elsewhere")
+    monkeypatch.setenv("SSH_CONNECTION", "10.0.0.1 5 10.0.0.2 22")
+    # verify's own folder of Ansible's commands, first on PATH each run
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "ansible").write_text("")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    assert sealed.environment_key() == before
+    compilers = tmp_path / "compilers"
+    compilers.mkdir()
+    (compilers / "cc").write_text("#!/bin/sh\n")
+    (compilers / "cc").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{compilers}:{os.environ['PATH']}")
+    assert sealed.environment_key() != before, "another cc first on PATH is another environment"
+    monkeypatch.setenv("PATH", os.environ["PATH"].split(":", 1)[1])
+    monkeypatch.setenv("TORCH_USE_RTLD_GLOBAL", "1")
+    assert sealed.environment_key() != before
+
+
 def test_a_preloaded_library_is_part_of_the_host_fingerprint(tmp_path, monkeypatch):
     env = tmp_path / "env"
     (env / "bin").mkdir(parents=True)

@@ -442,3 +442,14 @@ def test_a_cache_folder_others_could_write_is_refused_before_anything_is_built(s
     assert result.returncode == 2 and "is not this user's alone" in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not list(shared.iterdir())
     assert not (stack.root / "generations").exists() or not list((stack.root / "generations").iterdir())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root")
+def test_a_cache_folder_to_be_made_inside_a_folder_others_could_write_is_refused(stack, tmp_path):
+    """Made by the run itself, it could still be renamed away and replaced while the run uses it."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chown(shared, 65534, 65534)
+    result = stack.build("fixture-old", extra_env={"BWSTACK_CACHE": str(shared / "cache")})
+    assert result.returncode == 2 and "would be made where others can write" in result.stderr, result.stderr
+    assert not (shared / "cache").exists()

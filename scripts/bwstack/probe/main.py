@@ -266,7 +266,7 @@ def cuda_facts(env: Path, capability: str, reuse: bool = False, sources: dict | 
     facts["nvcc"] = str(nvcc) if nvcc and nvcc.is_file() else None
     # The probe runs as root on nodes: an nvcc that others could have put in place is not run (the toolkit checks
     # then fail, saying why), whatever CUDA_HOME names.
-    refused = pathtrust.program_open_to_others(nvcc) if facts["nvcc"] and nvcc else None
+    refused = pathtrust.toolkit_open_to_others(Path(home)) if facts["nvcc"] and nvcc else None
     if refused:
         facts["nvcc_refused"] = refused
     if facts["nvcc"] and not refused:

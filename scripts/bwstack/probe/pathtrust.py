@@ -93,6 +93,21 @@ def open_to_others(directory: Path) -> str | None:
     return None
 
 
+def folder_open_to_others(folder: Path) -> str | None:
+    """Why others could replace what is put into `folder` (an existing folder): the folders above it, as
+    open_to_others, and the folder itself (sticky, as /tmp is, is closed enough: nobody renames another's entry)."""
+    why = open_to_others(folder)
+    if why:
+        return why
+    st = os.stat(folder)
+    if st.st_uid not in (0, os.geteuid()):
+        return f"{folder} belongs to uid {st.st_uid}"
+    if st.st_mode & stat.S_ISVTX:
+        return None
+    why = _writable_by_others(folder, st)
+    return f"{folder} is {why}" if why else None
+
+
 def program_open_to_others(program: Path) -> str | None:
     """Why others than root and this user could have put their own code at `program` (its folders, as
     open_to_others, and the file itself: its owner and mode), or None. An unreadable path is a reason too."""
@@ -107,3 +122,52 @@ def program_open_to_others(program: Path) -> str | None:
         return f"{program} belongs to uid {st.st_uid}"
     why = _writable_by_others(os.path.realpath(program), st)
     return f"{program} is {why}" if why else None
+
+
+def _entry_open_to_others(path: str) -> str | None:
+    """One path inside a toolkit: itself (a link: its owner, then what it leads to) closed to others."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        if st.st_uid not in (0, os.geteuid()):
+            return f"the link {path} belongs to uid {st.st_uid}"
+        target = os.path.realpath(path)
+        if not os.path.exists(target):
+            return None  # leads nowhere: nothing runs from it
+        return program_open_to_others(Path(target))
+    if st.st_uid not in (0, os.geteuid()):
+        return f"{path} belongs to uid {st.st_uid}"
+    why = _writable_by_others(path, st)
+    return f"{path} is {why}" if why else None
+
+
+TOOLKIT_RUNS_FROM = ("bin", "nvvm")  # nvcc starts cicc, ptxas, fatbinary, nvlink... from these, and reads nvcc.profile
+
+
+def toolkit_open_to_others(home: Path, limit: int = 50_000) -> str | None:
+    """Why others could change what a toolkit's nvcc runs as root, or None: the folders above the toolkit and
+    the toolkit folder itself, and every folder, program and link under bin/ and nvvm/ (nvcc is a driver: it
+    runs cicc and ptxas and reads nvcc.profile, so checking nvcc alone is not enough). More than `limit` paths
+    there is a reason too."""
+    try:
+        why = open_to_others(Path(home)) or _entry_open_to_others(str(home))
+        if why:
+            return why
+        seen = 0
+        for sub in TOOLKIT_RUNS_FROM:
+            top = os.path.join(home, sub)
+            if not os.path.lexists(top):
+                continue
+            why = _entry_open_to_others(top)
+            if why:
+                return why
+            for folder, dirs, files in os.walk(top):  # links to folders are listed, never followed
+                for name in (*dirs, *files):
+                    seen += 1
+                    if seen > limit:
+                        return f"{home}: more than {limit} paths under {', '.join(TOOLKIT_RUNS_FROM)} to check"
+                    why = _entry_open_to_others(os.path.join(folder, name))
+                    if why:
+                        return why
+    except OSError as exc:
+        return f"{home} cannot be checked ({exc.strerror or exc})"
+    return None

@@ -348,26 +348,55 @@ def forget_derived(store_root: Path, generations: set[str]) -> list[str]:
     return removed
 
 
+PATH_PROGRAMS = ("cc", "gcc", "g++", "c++", "ldconfig", "nvcc", "ptxas")
+# Variables that differ from one shell, login or Ansible task to the next without changing what a process loads or
+# decides: left out of environment_key, so that a verify reuses what the last one in another session computed.
+VOLATILE = frozenset({
+    "PWD", "OLDPWD", "SHLVL", "_", "TERM", "COLORTERM", "COLUMNS", "LINES", "PS1", "PS2", "PS4", "PROMPT_COMMAND",
+    "HISTFILE", "HISTSIZE", "HISTCONTROL", "LS_COLORS", "LESSOPEN", "LESSCLOSE", "MAIL", "DISPLAY", "WINDOWID",
+    "SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY", "SSH_AUTH_SOCK", "SSH_AGENT_PID", "TMUX", "TMUX_PANE", "STY",
+    "XDG_SESSION_ID", "XDG_SESSION_TYPE", "XDG_SESSION_CLASS", "XDG_RUNTIME_DIR", "INVOCATION_ID",
+    "JOURNAL_STREAM", "MOTD_SHOWN", "SUDO_COMMAND", "SUDO_UID", "SUDO_GID", "SUDO_USER",
+})  # fmt: skip
+
+
+def environment_key() -> str:
+    """The environment the env's interpreters inherit (the probe's children keep the caller's, less what
+    interp.clean_env drops), as one digest: TORCH_USE_RTLD_GLOBAL, LD_AUDIT, SGLANG_* and the like change what
+    an import does or what SGLang decides, so a result computed under other values is not reused. Only
+    VOLATILE variables are left out."""
+    from bwstack.probe import interp
+
+    kept: list = sorted((k, v) for k, v in interp.clean_env().items() if k not in VOLATILE and k != "PATH")
+    # PATH itself is left out (verify puts a folder of its own on it each run, holding Ansible's commands); what it
+    # leads to for the programs imports and SGLang's planner start (Triton compiles with cc, finds libcuda with
+    # ldconfig) is in.
+    kept += [[name, stat_key(found) if (found := shutil.which(name)) else None] for name in PATH_PROGRAMS]
+    return hashlib.sha256(json.dumps(kept).encode(errors="surrogateescape")).hexdigest()
+
+
 def basis(env: Path) -> list | None:
     """What every result computed by running the env depends on besides its own inputs: the generation and its
-    manifest, the host fingerprint and the compiler (the stand-in libcuda)."""
+    manifest, the host fingerprint, the compiler (the stand-in libcuda) and the environment it runs in."""
     gen = generation_of(env)
     if gen is None:
         return None
     compiler = [stat_key(p) for p in ("/usr/bin/gcc", "/usr/bin/cc")]
-    return [gen.name, stat_key(str(gen / MANIFEST_NAME)), host_fingerprint(env), compiler]
+    return [gen.name, stat_key(str(gen / MANIFEST_NAME)), host_fingerprint(env), compiler, environment_key()]
 
 
 def basis_still_holds(env: Path, given: object) -> bool:
     """A basis the probe computed moments ago in this verify run (after its unchanged check) still names this
-    generation and its manifest: later serve-plan runs of the same verify reuse it instead of walking again."""
+    generation and its manifest, and this process runs in the same environment: later serve-plan runs of the
+    same verify reuse it instead of walking again."""
     gen = generation_of(env)
     return (
         gen is not None
         and isinstance(given, list)
-        and len(given) == 4
+        and len(given) == 5
         and given[0] == gen.name
         and given[1] == stat_key(str(gen / MANIFEST_NAME))
+        and given[4] == environment_key()
     )
 
 

@@ -69,9 +69,9 @@ def status(home: str | Path) -> ToolkitStatus:
     if not home.exists():
         return ToolkitStatus(str(home), False, None, None, "absent", "not installed")
     nvcc = home / "bin" / "nvcc"
-    # Run as root, a program others could have put there is theirs: the toolkit's folders and nvcc itself must be
-    # closed to them (root's or this user's, not writable by others).
-    unsafe = pathtrust.program_open_to_others(nvcc) if nvcc.is_file() else None
+    # Run as root, a program others could have put there is theirs: the toolkit's folders, nvcc and what it starts
+    # (bin/, nvvm/) must be closed to them (root's or this user's, not writable by others).
+    unsafe = pathtrust.toolkit_open_to_others(home) if nvcc.is_file() else None
     version = nvcc_version(nvcc) if nvcc.is_file() and unsafe is None else None
     info = _json_file(home / MARKER)
     managed = "other"

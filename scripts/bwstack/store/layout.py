@@ -100,10 +100,24 @@ def check_cache(layout: Layout) -> None:
     uv's unpacked files and the hashes of sealed files kept there become root's generations. Nothing to check
     where it does not exist yet (bwstack makes it, as the store's own)."""
     cache = layout.cache
+    if not os.path.lexists(cache):
+        # Made by this run: whoever could write the nearest folder above it could rename it away and put theirs
+        # in its place while the run uses it.
+        above = cache.parent
+        while not os.path.lexists(above) and above != above.parent:
+            above = above.parent
+        try:
+            why = pathtrust.folder_open_to_others(above)
+        except OSError as exc:
+            raise UsageError(f"the cache folder {cache}: {exc.strerror}") from None
+        if why:
+            raise UsageError(
+                f"the cache folder {cache} would be made where others can write ({why}): they could put their own "
+                "files in its place; use a folder only this user can write (BWSTACK_CACHE)"
+            )
+        return
     try:
         st = os.stat(cache)
-    except FileNotFoundError:
-        return
     except OSError as exc:
         raise UsageError(f"the cache folder {cache}: {exc.strerror}") from None
     try:
