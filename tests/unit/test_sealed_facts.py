@@ -324,11 +324,16 @@ def test_an_import_outcome_recorded_in_another_environment_is_not_reused(built, 
     assert first["imports"]
 
 
-def test_the_environment_key_leaves_out_only_what_changes_between_sessions(monkeypatch, tmp_path):
+def test_the_environment_key_holds_what_changes_what_the_env_does_not_what_changes_between_sessions(monkeypatch, tmp_path):
     monkeypatch.setenv("PWD", "/somewhere")
     before = sealed.environment_key()
     monkeypatch.setenv("PWD", "/elsewhere")
     monkeypatch.setenv("SSH_CONNECTION", "10.0.0.1 5 10.0.0.2 22")
+    monkeypatch.setenv("ANSIBLE_LOCAL_TEMP", "/tmp/bwstack-ansible-x1/ansible-local")  # one per provision run
+    monkeypatch.setenv("BWSTACK_EVENTS", "/tmp/bwstack-ansible-x1/events.jsonl")
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "test_abi.py::test_x (setup)")
+    monkeypatch.setenv("PYENV_DIR", "/somewhere")  # pyenv's shims name the folder they were started in
+    monkeypatch.setenv("CUDA_HOME", "/usr/local/cuda-12.8")  # set by the generation's hook where unset
     # verify's own folder of Ansible's commands, first on PATH each run
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "ansible").write_text("")

@@ -349,25 +349,28 @@ def forget_derived(store_root: Path, generations: set[str]) -> list[str]:
 
 
 PATH_PROGRAMS = ("cc", "gcc", "g++", "c++", "ldconfig", "nvcc", "ptxas")
-# Variables that differ from one shell, login or Ansible task to the next without changing what a process loads or
-# decides: left out of environment_key, so that a verify reuses what the last one in another session computed.
-VOLATILE = frozenset({
-    "PWD", "OLDPWD", "SHLVL", "_", "TERM", "COLORTERM", "COLUMNS", "LINES", "PS1", "PS2", "PS4", "PROMPT_COMMAND",
-    "HISTFILE", "HISTSIZE", "HISTCONTROL", "LS_COLORS", "LESSOPEN", "LESSCLOSE", "MAIL", "DISPLAY", "WINDOWID",
-    "SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY", "SSH_AUTH_SOCK", "SSH_AGENT_PID", "TMUX", "TMUX_PANE", "STY",
-    "XDG_SESSION_ID", "XDG_SESSION_TYPE", "XDG_SESSION_CLASS", "XDG_RUNTIME_DIR", "INVOCATION_ID",
-    "JOURNAL_STREAM", "MOTD_SHOWN", "SUDO_COMMAND", "SUDO_UID", "SUDO_GID", "SUDO_USER",
-})  # fmt: skip
+# The variables the loader and the stack's libraries read (torch's TORCH_USE_RTLD_GLOBAL, the loader's LD_AUDIT,
+# SGLang's switches, NCCL's and Triton's settings, ...). Only these key a result: the whole environment also holds
+# what changes from one shell, login, Ansible task or pyenv shim to the next (PYENV_DIR is the directory a shim
+# was started in), and keying on it made every verify after another kind of session run everything again.
+# CUDA_HOME is left to the CUDA facts, which key what depends on the toolkit (the generation's hook sets it in
+# every interpreter of the env where it is unset).
+ENVIRONMENT_PREFIXES = (
+    "LD_", "GLIBC_", "MALLOC_", "PYTHON", "TORCH", "PYTORCH", "SGLANG", "SGL_", "FLASHINFER", "NCCL", "NVIDIA",
+    "CUDA_", "CUBLAS", "CUDNN", "NVTE", "TRITON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "OMP_", "MKL_",
+    "KMP_", "OPENBLAS", "GOTO", "DG_", "DEEPGEMM",
+)  # fmt: skip
 
 
 def environment_key() -> str:
-    """The environment the env's interpreters inherit (the probe's children keep the caller's, less what
-    interp.clean_env drops), as one digest: TORCH_USE_RTLD_GLOBAL, LD_AUDIT, SGLANG_* and the like change what
-    an import does or what SGLang decides, so a result computed under other values is not reused. Only
-    VOLATILE variables are left out."""
+    """The part of the environment the env's interpreters inherit that changes what they do (the probe's children
+    keep the caller's environment, less what interp.clean_env drops), as one digest: a result computed under
+    other values is not reused."""
     from bwstack.probe import interp
 
-    kept: list = sorted((k, v) for k, v in interp.clean_env().items() if k not in VOLATILE and k != "PATH")
+    kept: list = sorted(
+        (k, v) for k, v in interp.clean_env().items() if k.startswith(ENVIRONMENT_PREFIXES) and k != "CUDA_HOME"
+    )
     # PATH itself is left out (verify puts a folder of its own on it each run, holding Ansible's commands); what it
     # leads to for the programs imports and SGLang's planner start (Triton compiles with cc, finds libcuda with
     # ldconfig) is in.
