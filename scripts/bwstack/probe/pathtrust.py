@@ -73,6 +73,15 @@ def _writable_by_others(path: str | os.PathLike[str], st: os.stat_result) -> str
     return None
 
 
+def _closed(path: str | os.PathLike[str], st: os.stat_result, owners: tuple[int, ...] | None = None) -> str | None:
+    """Why the file or folder at `path` (its stat `st`) is not closed to others: another owner than `owners`
+    (root or this user by default), or writable by others."""
+    if st.st_uid not in (owners if owners is not None else (0, os.geteuid())):
+        return f"{path} belongs to uid {st.st_uid}"
+    why = _writable_by_others(path, st)
+    return f"{path} is {why}" if why else None
+
+
 def open_to_others(directory: Path) -> str | None:
     """Why a folder that a lookup of `directory` passes through lets others replace what is below it: another
     owner than root or this user, or writable by others without the sticky bit; or a link on the way that
@@ -93,6 +102,13 @@ def open_to_others(directory: Path) -> str | None:
     return None
 
 
+def own_folder_open_to_others(folder: Path) -> str | None:
+    """Why `folder` (existing) is not this user's alone: the folders above it as open_to_others, and the folder
+    itself this user's, not writable by others (sticky or not)."""
+    why = open_to_others(folder)
+    return why or _closed(folder, os.stat(folder), owners=(os.geteuid(),))
+
+
 def folder_open_to_others(folder: Path) -> str | None:
     """Why others could replace what is put into `folder` (an existing folder): the folders above it, as
     open_to_others, and the folder itself (sticky, as /tmp is, is closed enough: nobody renames another's entry)."""
@@ -100,12 +116,9 @@ def folder_open_to_others(folder: Path) -> str | None:
     if why:
         return why
     st = os.stat(folder)
-    if st.st_uid not in (0, os.geteuid()):
-        return f"{folder} belongs to uid {st.st_uid}"
-    if st.st_mode & stat.S_ISVTX:
+    if st.st_mode & stat.S_ISVTX and st.st_uid in (0, os.geteuid()):
         return None
-    why = _writable_by_others(folder, st)
-    return f"{folder} is {why}" if why else None
+    return _closed(folder, st)
 
 
 def program_open_to_others(program: Path) -> str | None:
@@ -120,7 +133,7 @@ def program_open_to_others(program: Path) -> str | None:
         return f"{program} cannot be checked ({exc.strerror or exc})"
     if st.st_uid not in (0, os.geteuid()):
         return f"{program} belongs to uid {st.st_uid}"
-    why = _writable_by_others(os.path.realpath(program), st)
+    why = _writable_by_others(os.path.realpath(program), st)  # the ACL is the target's: a link has none
     return f"{program} is {why}" if why else None
 
 
@@ -134,10 +147,7 @@ def _entry_open_to_others(path: str) -> str | None:
         if not os.path.exists(target):
             return None  # leads nowhere: nothing runs from it
         return program_open_to_others(Path(target))
-    if st.st_uid not in (0, os.geteuid()):
-        return f"{path} belongs to uid {st.st_uid}"
-    why = _writable_by_others(path, st)
-    return f"{path} is {why}" if why else None
+    return _closed(path, st)
 
 
 TOOLKIT_RUNS_FROM = ("bin", "nvvm")  # nvcc starts cicc, ptxas, fatbinary, nvlink... from these, and reads nvcc.profile

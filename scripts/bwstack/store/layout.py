@@ -97,8 +97,8 @@ class Layout:
 
 def check_cache(layout: Layout) -> None:
     """Refuse a cache folder others could write (a shared BWSTACK_CACHE another user owns or opened up): the wheels,
-    uv's unpacked files and the hashes of sealed files kept there become root's generations. Nothing to check
-    where it does not exist yet (bwstack makes it, as the store's own)."""
+    uv's unpacked files and the hashes of sealed files kept there become root's generations. One this run is
+    about to make is refused where others could write the folder it would be made in."""
     cache = layout.cache
     if not os.path.lexists(cache):
         # Made by this run: whoever could write the nearest folder above it could rename it away and put theirs
@@ -117,17 +117,9 @@ def check_cache(layout: Layout) -> None:
             )
         return
     try:
-        st = os.stat(cache)
+        why = pathtrust.own_folder_open_to_others(cache)
     except OSError as exc:
         raise UsageError(f"the cache folder {cache}: {exc.strerror}") from None
-    try:
-        why = pathtrust.open_to_others(cache)
-    except OSError as exc:
-        raise UsageError(f"the cache folder {cache}: {exc.strerror}") from None
-    if why is None and st.st_uid != os.geteuid():
-        why = f"{cache} belongs to uid {st.st_uid}"
-    if why is None and (st.st_mode & 0o022 or pathtrust.has_acl(cache)):
-        why = f"{cache} is writable by others"
     if why:
         raise UsageError(
             f"the cache folder {cache} is not this user's alone ({why}): what others put there would become "
