@@ -153,7 +153,7 @@ def test_services_restart_inside_the_rollout_never_in_a_handler_after_it():
     """A handler runs after the play's rescue: a unit failing to restart there left the node switched while the
     play failed. The restart is a task of the role, so provision.yml's block covers it."""
     assert not list((ANSIBLE / "roles" / "bwstack_mlenv").glob("handlers/*")), "no handlers in bwstack_mlenv"
-    for name in ("main.yml", "rollback.yml"):
+    for name in ("generation.yml", "rollback.yml"):
         tasks = yaml.safe_load((ANSIBLE / "roles" / "bwstack_mlenv" / "tasks" / name).read_text())
         includes = [t for t in tasks if t.get("ansible.builtin.include_tasks") == "services.yml"]
         assert includes and all("switched" in " ".join(t["when"]) for t in includes), name
@@ -165,7 +165,7 @@ def test_tasks_where_index_urls_flow_hide_them():
     """An index URL may carry a token: the module hides its `index` option, the tool role its pip run."""
     module = (ANSIBLE / "library" / "bwstack_node.py").read_text()
     assert '"index": {"type": "list", "elements": "str", "default": [], "no_log": True}' in module
-    tasks = _tasks(yaml.safe_load((ANSIBLE / "roles" / "bwstack_tool" / "tasks" / "main.yml").read_text()))
+    tasks = _tasks(yaml.safe_load((ANSIBLE / "roles" / "bwstack_tool" / "tasks" / "install.yml").read_text()))
     pip = [t for t in tasks if "bwstack_tool_index_url" in json.dumps(t.get("ansible.builtin.command", {}))]
     assert pip and all("no_log" in t for t in pip)
 
