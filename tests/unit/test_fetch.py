@@ -187,3 +187,96 @@ def test_an_intact_dest_is_kept_as_it_is(stack, tmp_path):
     result = _fetch(stack, dest, "--offline")
     assert result.returncode == 0 and "WARNING" not in result.stdout, result.stdout
     assert {f: (dest / f).stat().st_ino for f in _locked(stack)} == inodes
+
+
+# ------------------------------------------------------------------------------------------------ links in DEST
+
+
+def _store_parts(stack) -> dict[str, tuple[str, ...]]:
+    sha = next(s for f, s in _locked(stack).items() if f.startswith("fixture_dep-"))
+    return {"partial": (".partial",), "prefix": (sha[:2],), "entry": (sha[:2], sha)}
+
+
+@pytest.mark.parametrize("where", ["partial", "prefix", "entry"])
+def test_a_link_planted_in_dest_store_is_refused_and_never_written_through(stack, tmp_path, where):
+    """DEST is often shared: whoever can write it can plant a link where the store's folders go. Root's fetch
+    refuses it in one line and leaves the folder the link names as it was."""
+    dest, victim = tmp_path / "dest", tmp_path / "victim"
+    victim.mkdir()
+    (victim / "secret").write_text("root only")
+    parts = _store_parts(stack)[where]
+    planted = dest.joinpath(".store", *parts)
+    planted.parent.mkdir(parents=True)
+    planted.symlink_to(victim)
+    result = _fetch(stack, dest, "--wheelhouse", str(stack.wheelhouse), "--offline")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (
+        f"bwstack: error: {planted} is a link or not a folder: bwstack does not follow links in a wheel store or "
+        "destination it writes; remove it\n"
+    )
+    assert sorted(p.name for p in victim.iterdir()) == ["secret"] and (victim / "secret").read_text() == "root only"
+
+
+def test_a_wheel_is_stored_read_only_under_its_hash_and_no_temporary_file_is_left(stack, tmp_path):
+    dest = tmp_path / "dest"
+    assert _fetch(stack, dest, "--wheelhouse", str(stack.wheelhouse), "--offline").returncode == 0
+    for file, sha in _locked(stack).items():
+        stored = dest / ".store" / sha[:2] / sha / file
+        assert _sha(stored) == sha and (stored.stat().st_mode & 0o777) == 0o444
+    assert not list((dest / ".store" / ".partial").iterdir())
+
+
+def test_uv_lock_files_lose_world_write_but_a_link_among_them_is_not_followed(tmp_path):
+    from bwstack.provision.envbuild import drop_world_write
+
+    cache, victim = tmp_path / "uv", tmp_path / "victim"
+    (cache / "sdists").mkdir(parents=True)
+    victim.write_text("root only")
+    victim.chmod(0o600)
+    (cache / "sdists" / "x.lock").symlink_to(victim)
+    own = cache / "sdists" / "y.lock"
+    own.write_text("")
+    own.chmod(0o666)
+    drop_world_write(cache)
+    assert (victim.stat().st_mode & 0o777) == 0o600
+    assert (own.stat().st_mode & 0o777) == 0o644
+
+
+# ------------------------------------------------------------------------------------------------ env install
+
+
+def _requirements(stack, tmp_path: Path) -> Path:
+    rendered = stack.run("render", "--profile", "fixture-new")
+    assert rendered.returncode == 0, rendered.stderr
+    path = tmp_path / "requirements.txt"
+    path.write_text(rendered.stdout)
+    return path
+
+
+@pytest.mark.parametrize("option", ["--store", "--uv-cache"])
+def test_env_install_refuses_a_wheel_store_or_uv_cache_others_can_write(stack, tmp_path, option):
+    """What lies there becomes the env's files: a folder another user could fill is refused before anything
+    is fetched or installed."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    env = tmp_path / "env"
+    more = ["--store", str(tmp_path / "own-store")] if option == "--uv-cache" else []
+    result = stack.run(
+        "env", "install", "--requirements", str(_requirements(stack, tmp_path)), "--into", str(env),
+        "--wheelhouse", str(stack.wheelhouse), "--offline", option, str(shared), *more,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "is not this user's alone" in result.stderr
+    assert not env.exists() and list(shared.iterdir()) == []
+
+
+def test_index_mirrors_are_read_from_bwstack_index_as_well_as_the_command_line(stack, tmp_path):
+    """BWSTACK_INDEX (one NAME=URL a line) keeps a mirror's token out of the process table; it is checked as
+    --index is."""
+    result = _fetch(
+        stack, tmp_path / "dest", "--wheelhouse", str(stack.wheelhouse), "--offline",
+        extra_env={"BWSTACK_INDEX": "\n  pypi=https://m.example/simple\nnot-a-mirror\n"},
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr == "bwstack: error: --index 'not-a-mirror': expected NAME=https://mirror/simple\n"

@@ -272,6 +272,58 @@ def test_the_tag_carries_the_lock_digest():
         context.image_tag("sglang:latest", profile)
 
 
+@pytest.mark.parametrize("template", ["{x}-{digest}", "a{-{digest}", "{0}-{digest}"])
+def test_a_tag_template_naming_unknown_fields_is_refused_in_one_line(template):
+    profile = load_lock(CI_LOCK).profile(None)
+    with pytest.raises(UsageError, match=r"the fields it may name are \{profile\} and \{digest\}"):
+        context.image_tag(template, profile)
+
+
+def test_a_wheelhouse_that_is_not_a_folder_is_refused_before_anything_is_hashed(tmp_path):
+    lock = load_lock(REAL_LOCK)
+    staged = context.stage_context(lock, lock.profile("cu130"), tmp_path / "ctx", DOCKER / "Dockerfile")
+    with pytest.raises(UsageError, match=r"--wheelhouse .*/no-such-dir: not a directory"):
+        image_wheels.check_wheelhouses(staged.env_selection.values(), [tmp_path / "no-such-dir"])
+
+
+def _planted_context(tmp_path: Path) -> Path:
+    """A folder someone made ahead of root's build, with a link where the Dockerfile goes."""
+    folder = tmp_path / "ctx"
+    folder.mkdir()
+    (folder / "Dockerfile").symlink_to(tmp_path / "victim")
+    return folder
+
+
+def _open_parent(tmp_path: Path) -> Path:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    return shared / "ctx"
+
+
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [(_planted_context, "it exists; name a new folder"), (_open_parent, "would be made where others can write")],
+    ids=["existing-folder-with-a-link", "in-a-folder-others-can-write"],
+)
+def test_a_kept_context_folder_must_be_new_and_made_where_only_this_user_can_write(tmp_path, make, says):
+    victim = tmp_path / "victim"
+    victim.write_text("root only")
+    dest = make(tmp_path)
+    with pytest.raises(UsageError, match=says):
+        context.check_kept_context(dest)
+    assert victim.read_text() == "root only"
+
+
+def test_the_kept_context_is_a_copy_of_the_one_docker_reads(tmp_path):
+    lock = load_lock(REAL_LOCK)
+    staged = context.stage_context(lock, lock.profile("cu130"), tmp_path / "private", DOCKER / "Dockerfile")
+    context.keep_context(staged.path, tmp_path / "kept")
+    files = sorted(p.relative_to(staged.path) for p in staged.path.rglob("*"))
+    assert files == sorted(p.relative_to(tmp_path / "kept") for p in (tmp_path / "kept").rglob("*"))
+    assert (tmp_path / "kept" / "Dockerfile").read_bytes() == (staged.path / "Dockerfile").read_bytes()
+
+
 def test_unhashed_and_missing_wheels_are_refused_before_any_build(tmp_path):
     lock = load_lock(REAL_LOCK)
     staged = context.stage_context(lock, lock.profile("cu130"), tmp_path / "ctx", DOCKER / "Dockerfile")
@@ -337,6 +389,42 @@ def _via(server: image_server.BuildServer, route: str, *, proxy: str | None = No
             return response.status, response.read()
     except urllib.error.HTTPError as exc:
         return exc.code, b""
+
+
+def _swap_for_a_link(path: Path, victim: Path) -> None:
+    path.unlink()
+    path.symlink_to(victim)
+
+
+def test_a_wheel_swapped_after_its_hash_check_is_refused_not_served(tmp_path):
+    """The operator's wheelhouse may be another user's: once checked, the name must still lead to the file that
+    was hashed, else the build stops before the server answers anyone."""
+    wheel, victim = tmp_path / "a-1.0-py3-none-any.whl", tmp_path / "victim"
+    wheel.write_bytes(b"the checked wheel")
+    victim.write_text("root only")
+    pinned = image_server.Pinned.of(wheel, wheel.stat())
+    _swap_for_a_link(wheel, victim)
+    files = {f"/wheels/{wheel.name}": pinned}
+    with pytest.raises(BwstackError, match="changed after it was hash-checked"):
+        image_server.BuildServer("127.0.0.1", 0, files, {}, image_server.new_build_token()).__enter__()
+
+
+def test_the_build_server_serves_the_file_it_opened_even_if_the_name_moves_later(tmp_path):
+    wheel, victim = tmp_path / "a-1.0-py3-none-any.whl", tmp_path / "victim"
+    wheel.write_bytes(b"the checked wheel")
+    victim.write_text("root only")
+    files = {f"/wheels/{wheel.name}": image_server.Pinned.of(wheel, wheel.stat())}
+    with image_server.BuildServer("127.0.0.1", 0, files, {}, image_server.new_build_token()) as server:
+        _swap_for_a_link(wheel, victim)
+        assert _via(server, f"/wheels/{wheel.name}") == (200, b"the checked wheel")
+
+
+def test_a_fifo_among_the_files_to_serve_is_refused_before_the_build(tmp_path):
+    fifo = tmp_path / "a-1.0-py3-none-any.whl"
+    os.mkfifo(fifo)
+    files = {f"/wheels/{fifo.name}": fifo}
+    with pytest.raises(BwstackError, match="not a regular file"):
+        image_server.BuildServer("127.0.0.1", 0, files, {}, image_server.new_build_token()).__enter__()
 
 
 def test_the_build_server_serves_only_named_files(tmp_path):
@@ -475,6 +563,7 @@ def test_check_wheelhouses_hashes_every_selected_wheel_it_finds(tmp_path):
     lock_path, house = fakestack.make_stack(tmp_path)
     profile = load_lock(lock_path).profile("fixture-new")
     selected = select(profile.closure.env, Target.of(profile))
+    (tmp_path / "empty").mkdir()
     found = image_wheels.check_wheelhouses(selected.values(), [tmp_path / "empty", house])
     assert sorted(found) == sorted(w.file for _, w in selected.values())
     victim = selected["fixture-dep"][1].file
@@ -521,11 +610,13 @@ def test_the_step_script_installs_a_layer_through_the_server_and_checks_hashes(t
                              capture_output=True, text=True, check=True)  # fmt: skip
         assert out.stdout.strip() == lock.profile(None).closure.env["requests"].version
         # a wheel whose bytes are not the lock's is refused by bwstack inside the step
-        bad = tmp_path / wheels[next(n for n in wheels if n.startswith("idna-"))].name
+        bad = tmp_path / next(n for n in wheels if n.startswith("idna-"))
         bad.write_bytes(b"not the wheel")
-        server.files[f"/wheels/{bad.name}"] = bad
-        env2 = {**env, "BWSTACK_ENV": str(tmp_path / "env2")}
-        run = subprocess.run(command, env=env2, capture_output=True, text=True)
+        served_bad = {**files, f"/wheels/{bad.name}": bad}
+        token = image_server.new_build_token()
+        with image_server.BuildServer("127.0.0.1", 0, served_bad, {"/step.py": step}, token) as other:
+            env2 = {**env, "BWSTACK_ENV": str(tmp_path / "env2"), "http_proxy": other.proxy_url}
+            run = subprocess.run(command, env=env2, capture_output=True, text=True)
         assert run.returncode != 0 and "idna" in run.stderr and "refused" in run.stderr, run.stderr[-800:]
         # a bwstack other than the one the build was planned with is refused
         env3 = {**env, "BWSTACK_TOOL_DIGEST": "sha256:0"}

@@ -70,7 +70,7 @@ def bench_rebuild(
         log(f"WARNING: the two locks differ in layers {changed or 'none'}, not in the last (app) layer only")
     base = opts or ImageBuildOptions()
     # lock B's wheels before the long clean build, so a missing one fails now, not ten minutes in
-    store = Path(base.store) if base.store else wheels.default_store()
+    store = wheels.private_store(base.store)
     wheels.gather_wheels(staged_b.env_selection, base.wheelhouses, offline=base.offline, store=store,
                          allow_unhashed=base.allow_unhashed, log=log)  # fmt: skip
     clean = build_image(first, prof_a, dataclasses.replace(base, no_cache=True), log=log)

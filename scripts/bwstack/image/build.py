@@ -178,7 +178,10 @@ def build_image(
     step_blob = files_of.step_script.read_bytes()  # read once: the bytes hashed are the bytes served
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bwstack-image-") as tmp:
-        context_dir = Path(opts.context_dir) if opts.context_dir else Path(tmp, "context")
+        # Docker always reads the context from this private folder; --context-dir gets a copy of it (below).
+        context_dir = Path(tmp, "context")
+        if opts.context_dir:
+            context.check_kept_context(Path(opts.context_dir))
         staged = context.stage_context(lock, profile, context_dir, files_of.dockerfile)
         every = [*staged.env_selection.values(), *staged.toolkit_selection.values()]
         checked = wheels.check_wheelhouses(every, opts.wheelhouses)
@@ -190,6 +193,8 @@ def build_image(
         facts = daemon.probe_base(client, base)
         picked = context.system_packages_of(lock, base, facts.os_release)
         context.write_system_packages(context_dir, picked)
+        if opts.context_dir:
+            context.keep_context(context_dir, Path(opts.context_dir))
         log(
             f"base {base} ({picked.entry}): "
             + (
@@ -201,7 +206,7 @@ def build_image(
         selection = dict(staged.env_selection)
         if not facts.has_cuda:
             selection.update(staged.toolkit_selection)
-        store = Path(opts.store) if opts.store else wheels.default_store()
+        store = wheels.private_store(opts.store)
         found = wheels.gather_wheels(
             selection, opts.wheelhouses, offline=opts.offline, store=store,
             allow_unhashed=opts.allow_unhashed, log=log, checked=checked,

@@ -10,7 +10,9 @@ anything else.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,7 +76,10 @@ def layer_file_names(lock) -> list[str]:
 
 def image_tag(template: str, profile) -> str:
     digest = profile.lock_digest().split(":", 1)[1][:12]
-    tag = template.format(profile=profile.name, digest=digest)
+    try:
+        tag = template.format(profile=profile.name, digest=digest)
+    except (KeyError, IndexError, ValueError) as exc:
+        raise UsageError(f"--tag {template!r}: {exc}; the fields it may name are {{profile}} and {{digest}}") from None
     if digest not in tag:
         raise UsageError(f"--tag {template!r}: the tag must carry the lock digest (use {{digest}})")
     return tag
@@ -156,3 +161,24 @@ def write_system_packages(context: Path, picked: SystemPackages) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(f"{name}\n" for name in picked.packages), encoding="utf-8")
     return path
+
+
+def check_kept_context(dest: Path) -> None:
+    """--context-dir names a folder this run makes: an existing one (anyone's, links and files already inside
+    it) is refused, and so is one that would be made where others could write and swap it."""
+    from bwstack.store.layout import check_private_folder
+
+    if os.path.lexists(dest):
+        raise UsageError(f"--context-dir {dest}: it exists; name a new folder (bwstack makes it)")
+    check_private_folder(dest, "--context-dir", "--context-dir")
+
+
+def keep_context(staged: Path, dest: Path) -> None:
+    """A copy of the staged context at dest, made in a folder created here (exclusively): the operator reads it,
+    Docker builds from the private one, so nothing written to dest can change the image."""
+    check_kept_context(dest)
+    try:
+        os.mkdir(dest, 0o755)
+    except FileExistsError:
+        raise UsageError(f"--context-dir {dest}: it appeared during the build; name a new folder") from None
+    shutil.copytree(staged, dest, symlinks=True, dirs_exist_ok=True)

@@ -27,10 +27,14 @@ from __future__ import annotations
 import base64
 import hmac
 import http.server
+import os
 import secrets
+import socket
+import stat
 import threading
 import urllib.parse
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from bwstack.errors import BwstackError
@@ -38,6 +42,23 @@ from bwstack.errors import BwstackError
 # The name the build's RUN steps fetch from. `.invalid` never resolves (RFC 6761): only the build's proxy answers.
 BUILD_HOST = "bwstack-build.invalid"
 PROXY_USER = "bwstack"
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """A file as it was when its bytes were checked: served only while the name still leads to that same file
+    (device, inode, size, times), so a name swapped after the hash check is refused, not served."""
+
+    path: Path
+    identity: tuple[int, int, int, int, int]
+
+    @classmethod
+    def of(cls, path: Path, st: os.stat_result) -> Pinned:
+        return cls(path, _identity(st))
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def new_build_token() -> str:
@@ -55,7 +76,9 @@ class BuildServer:
     requirement files name; anything else is 404.
     """
 
-    def __init__(self, host: str, port: int, files: Mapping[str, Path], blobs: Mapping[str, bytes], token: str) -> None:
+    def __init__(
+        self, host: str, port: int, files: Mapping[str, Path | Pinned], blobs: Mapping[str, bytes], token: str
+    ) -> None:
         if not token:
             raise ValueError("the build server needs a token")
         self.host = host
@@ -70,6 +93,7 @@ class BuildServer:
         self._lock = threading.Lock()
         self._httpd: http.server.ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self._held: dict[str, tuple[int, int]] = {}  # route -> (descriptor, size): opened once, in __enter__
 
     @property
     def url(self) -> str:
@@ -114,11 +138,11 @@ class BuildServer:
                     self.send_error(403, f"refused by bwstack image build: {why}")
                     return
                 blob = server.blobs.get(route)
-                path = server.files.get(route)
-                if blob is None and path is None:
+                held = server._held.get(route)
+                if blob is None and held is None:
                     self.send_error(404, "not served by bwstack image build")
                     return
-                size = len(blob) if blob is not None else path.stat().st_size
+                size = len(blob) if blob is not None else held[1]
                 if not head:
                     with server._lock:  # counted before the answer, so a client that has it sees the count
                         server.requests += 1
@@ -133,15 +157,44 @@ class BuildServer:
                     self.wfile.write(blob)
                 else:
                     self.wfile.flush()
-                    with open(path, "rb") as handle:
-                        self.connection.sendfile(handle)
+                    _send(self.connection, *held)
 
         return Handler
 
+    def _hold(self) -> None:
+        """Every file served opened once, now, before the build asks for any: a regular file (not a FIFO that
+        would hang a request, not a device), and for a pinned one the very file that was checked."""
+        for route, value in self.files.items():
+            path = value.path if isinstance(value, Pinned) else value
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError as exc:
+                raise BwstackError(f"cannot serve {path} to the build: {exc.strerror}") from None
+            st = os.fstat(fd)
+            self._held[route] = (fd, st.st_size)
+            if not stat.S_ISREG(st.st_mode):
+                raise BwstackError(f"cannot serve {path} to the build: not a regular file")
+            if isinstance(value, Pinned) and _identity(st) != value.identity:
+                raise BwstackError(
+                    f"{path} changed after it was hash-checked (another file is at that name now): refused; "
+                    "run the build again"
+                )
+
+    def _let_go(self) -> None:
+        for fd, _ in self._held.values():
+            os.close(fd)
+        self._held.clear()
+
     def __enter__(self) -> BuildServer:
+        try:
+            self._hold()
+        except BaseException:
+            self._let_go()
+            raise
         try:
             self._httpd = http.server.ThreadingHTTPServer((self.host, self.port), self._handler())
         except OSError as exc:
+            self._let_go()
             raise BwstackError(
                 f"cannot serve the build on {self.host}:{self.port} ({exc.strerror}): the port is taken, or the "
                 "Docker daemon is not on this host; pass another --build-port (0: any free port)"
@@ -156,6 +209,17 @@ class BuildServer:
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()
+        self._let_go()
+
+
+def _send(connection: socket.socket, fd: int, size: int) -> None:
+    """size bytes of fd from its start, by offset (each request its own position: requests run in threads)."""
+    offset = 0
+    while offset < size:
+        sent = os.sendfile(connection.fileno(), fd, offset, size - offset)
+        if sent == 0:  # the file shrank since it was opened: the step's hash check refuses what it got
+            break
+        offset += sent
 
 
 def build_secret_args(server: BuildServer) -> dict[str, str]:

@@ -12,27 +12,39 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from bwstack.errors import BwstackError, UsageError
+from bwstack.image.server import Pinned
 
 Log = Callable[[str], None]
 
 
-def default_store() -> Path:
-    from bwstack.store.layout import Layout
+def private_store(given: str | None) -> Path:
+    """Where downloads go: the folder given (--store), else bwstack's wheel store; refused when others could write
+    it (their files would be served to the build as the lock's wheels)."""
+    from bwstack.store.layout import Layout, check_cache, check_private_folder
 
-    return Layout.default().wheel_store
+    if given:
+        check_private_folder(Path(given), "the wheel store", "--store")
+        return Path(given)
+    layout = Layout.default()
+    check_cache(layout)
+    return layout.wheel_store
 
 
-def check_wheelhouses(selected: Iterable[tuple], wheelhouses: Iterable[Path | str]) -> dict[str, Path]:
+def check_wheelhouses(selected: Iterable[tuple], wheelhouses: Iterable[Path | str]) -> dict[str, Pinned]:
     """file name -> the operator's file, for every selected wheel found (by name) in a wheelhouse, each hashed
     against the lock now, in parallel: a bad one is refused, named by its path in the wheelhouse, before
-    Docker is asked for anything. Wheels the lock has no hash for are returned unchecked (gather_wheels
-    refuses them unless allowed by name)."""
+    Docker is asked for anything. Each comes pinned to the file that was read (the build server serves only that
+    file). Wheels the lock has no hash for are pinned unchecked (gather_wheels refuses them unless allowed by
+    name)."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
-    from bwstack.provision.wheelhouse import check_wheel_file
+    from bwstack.provision.wheelhouse import hash_local_wheel
 
     found: dict[str, tuple] = {}
     houses = [Path(h) for h in wheelhouses]
+    for house in houses:
+        if not house.is_dir():
+            raise UsageError(f"--wheelhouse {house}: not a directory")
     for pkg, wheel in selected:  # (LockedPackage, Wheel) pairs, as select() gives them
         for house in houses:
             candidate = house / wheel.file
@@ -40,18 +52,20 @@ def check_wheelhouses(selected: Iterable[tuple], wheelhouses: Iterable[Path | st
                 found[wheel.file] = (pkg, wheel, candidate)
                 break
 
-    def check(item: tuple) -> None:
+    def check(item: tuple) -> tuple[str, Pinned]:
         pkg, wheel, candidate = item
-        if wheel.sha256 is not None:
-            check_wheel_file(pkg, wheel, candidate, str(candidate))
+        _, st = hash_local_wheel(pkg, wheel, candidate, str(candidate))
+        return wheel.file, Pinned.of(candidate, st)
 
+    pinned: dict[str, Pinned] = {}
     pool = ThreadPoolExecutor(max_workers=4)
     try:
         for done in as_completed([pool.submit(check, item) for item in found.values()]):
-            done.result()  # the first bad wheel refuses the build; what is still queued is dropped
+            name, pin = done.result()  # the first bad wheel refuses the build; what is still queued is dropped
+            pinned[name] = pin
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-    return {name: candidate.resolve() for name, (_, _, candidate) in found.items()}
+    return pinned
 
 
 def gather_wheels(
@@ -62,8 +76,8 @@ def gather_wheels(
     store: Path,
     allow_unhashed: Iterable[str],
     log: Log,
-    checked: Mapping[str, Path] | None = None,
-) -> dict[str, Path]:
+    checked: Mapping[str, Pinned] | None = None,
+) -> dict[str, Path | Pinned]:
     """file name -> a local file for every selected wheel: from a wheelhouse (by name, hash-checked by
     check_wheelhouses unless `checked` is its result already), else downloaded into the store (hash-checked;
     store entries re-hashed). Refuses unhashed wheels not allowed by name."""
@@ -81,7 +95,7 @@ def gather_wheels(
         )
     if checked is None:
         checked = check_wheelhouses(selection.values(), wheelhouses)
-    found: dict[str, Path] = {}
+    found: dict[str, Path | Pinned] = {}
     missing = {}
     for name, (pkg, wheel) in selection.items():
         if wheel.file in checked:

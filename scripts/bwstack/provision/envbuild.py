@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -99,8 +100,22 @@ def drop_world_write(cache_dir: Path) -> None:
             if name.endswith(".lock"):
                 path = os.path.join(dirpath, name)
                 mode = os.lstat(path).st_mode
-                if mode & 0o022:
-                    os.chmod(path, mode & 0o755)
+                # A link reports 0777 and chmod would follow it to whatever it names: only uv's own files.
+                if stat.S_ISREG(mode) and mode & 0o022:
+                    _chmod_no_follow(path, stat.S_IMODE(mode) & 0o755)
+
+
+def _chmod_no_follow(path: str, mode: int) -> None:
+    """chmod of the file at path itself: opened without following a link swapped in since it was looked at."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return  # gone or swapped for a link since the walk: nothing of uv's to change
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
 
 
 def differences(env_dir: Path, expected: Mapping[str, str]) -> list[str]:

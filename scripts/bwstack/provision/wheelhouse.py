@@ -14,14 +14,17 @@ by bwstack) is not re-read on every build: uv checks every wheel's sha256 again 
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import hashlib
 import os
-import shutil
+import secrets
 import stat
-import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import requests
 
@@ -29,6 +32,7 @@ from bwstack.errors import BwstackError, HashMismatchError, UsageError
 from bwstack.fsutil import free_bytes
 from bwstack.lock import pypi
 from bwstack.lock.model import LockedPackage, Wheel
+from bwstack.probe import dirfd
 from bwstack.probe.treecheck import sha256_file
 from bwstack.provision.progress import DownloadProgress
 
@@ -93,16 +97,41 @@ def _is_regular(path: Path) -> bool:
         return False
 
 
-def check_wheel_file(pkg: LockedPackage, wheel: Wheel, path: Path, origin: str) -> str:
-    """The sha256 of a local wheel file, which must be the lock's (when it has one); the refusal names both."""
-    actual = sha256_file(path, follow_links=True)  # a wheelhouse may link into a shared cache: content is checked
+def hash_mismatch(pkg: LockedPackage, wheel: Wheel, origin: str, actual: str) -> HashMismatchError:
+    return HashMismatchError(
+        f"{pkg.name} {pkg.version}: {wheel.file} from {origin} has sha256 {actual}, the lock expects "
+        f"{wheel.sha256}; refused (if upstream re-uploaded it, re-run `bwstack lock` from a network "
+        f"that reaches it; otherwise the file is not the one the lock names)"
+    )
+
+
+def hash_local_wheel(pkg: LockedPackage, wheel: Wheel, path: Path, origin: str) -> tuple[str, os.stat_result]:
+    """The sha256 of a local wheel file, which must be the lock's (when it has one), and the stat of what was read:
+    one open, so whoever uses the file later can tell whether the name still leads to the bytes hashed here. A
+    wheelhouse may link into a shared cache, so a link at the name is followed; it must lead to a regular file."""
+    with _open_regular(pkg, wheel, path, origin) as source:
+        digest = hashlib.sha256()
+        while chunk := source.read(CHUNK):
+            digest.update(chunk)
+        st = os.fstat(source.fileno())
+    actual = digest.hexdigest()
     if wheel.sha256 is not None and actual != wheel.sha256:
-        raise HashMismatchError(
-            f"{pkg.name} {pkg.version}: {wheel.file} from {origin} has sha256 {actual}, the lock expects "
-            f"{wheel.sha256}; refused (if upstream re-uploaded it, re-run `bwstack lock` from a network "
-            f"that reaches it; otherwise the file is not the one the lock names)"
-        )
-    return actual
+        raise hash_mismatch(pkg, wheel, origin, actual)
+    return actual, st
+
+
+@contextlib.contextmanager
+def _open_regular(pkg: LockedPackage, wheel: Wheel, path: Path, origin: str) -> Iterator[BinaryIO]:
+    """The wheel file at path, open for reading (without blocking on a FIFO); anything but a regular file refused."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        why = exc.strerror
+        raise BwstackError(f"{pkg.name} {pkg.version}: cannot read {wheel.file} from {origin}: {why}") from None
+    with open(fd, "rb", buffering=0) as source:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise BwstackError(f"{pkg.name} {pkg.version}: {path} from {origin} is not a regular file")
+        yield source  # type: ignore[misc]
 
 
 class Fetcher:
@@ -162,7 +191,7 @@ class Fetcher:
         for house in self.sources.wheelhouses:
             candidate = house / wheel.file
             if candidate.is_file():
-                return self._admit(pkg, wheel, candidate, f"wheelhouse {house}", copy=True)
+                return self._admit_file(pkg, wheel, candidate, f"wheelhouse {house}")
         if self.sources.offline:
             raise BwstackError(
                 f"{pkg.name} {pkg.version}: {wheel.file} is in no wheelhouse and the run is offline "
@@ -170,9 +199,8 @@ class Fetcher:
             )
         url = self._mirror_url(pkg, wheel) or wheel.url
         if url.startswith("file://"):
-            return self._admit(pkg, wheel, Path(url[len("file://") :]), url, copy=True)
-        tmp = self._download(pkg, wheel, url)
-        return self._admit(pkg, wheel, tmp, url, copy=False)
+            return self._admit_file(pkg, wheel, Path(url[len("file://") :]), url)
+        return self._admit(pkg, wheel, url, self._download(pkg, wheel, url))
 
     def _cached(self, pkg: LockedPackage, wheel: Wheel) -> Path | None:
         """The store's copy of a hashed wheel, if it has one (re-hashed first with rehash_store)."""
@@ -210,73 +238,113 @@ class Fetcher:
                 return f.url
         raise BwstackError(f"{pkg.name}: mirror {mirror} does not list {wheel.file}")
 
-    def _download(self, pkg: LockedPackage, wheel: Wheel, url: str) -> Path:
-        partial = self.store / ".partial"
-        partial.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=wheel.file + ".", dir=partial)
-        tmp = Path(name)
+    def _download(self, pkg: LockedPackage, wheel: Wheel, url: str) -> Iterator[bytes]:
+        """The wheel's bytes from url, as they arrive (progress counted, free disk checked first)."""
         try:
-            with (
-                os.fdopen(fd, "wb") as out,
-                self.http.get(url, stream=True, timeout=pypi.TIMEOUT) as response,
-            ):
+            with self.http.get(url, stream=True, timeout=pypi.TIMEOUT) as response:
                 if not response.ok:
                     raise BwstackError(f"{pkg.name} {pkg.version}: HTTP {response.status_code} for {url}")
                 length = int(response.headers.get("Content-Length") or 0)
-                if length and free_bytes(partial) < length + DISK_MARGIN:
+                if length and free_bytes(self.store) < length + DISK_MARGIN:
                     raise DiskFullError(
                         f"not enough disk for {wheel.file} ({length >> 20} MiB) in {self.store}: "
-                        f"{free_bytes(partial) >> 20} MiB free; free space or pass --root on a larger disk"
+                        f"{free_bytes(self.store) >> 20} MiB free; free space or pass --root on a larger disk"
                     )
                 self.progress.started_download(length)
                 for chunk in response.iter_content(CHUNK):
-                    out.write(chunk)
                     self.progress.add(len(chunk))
+                    yield chunk
         except requests.RequestException as exc:
-            tmp.unlink(missing_ok=True)
             raise BwstackError(f"{pkg.name} {pkg.version}: cannot download {url}: {pypi._reason(exc)}") from None
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            if exc.errno == 28:
-                raise DiskFullError(f"disk full while downloading {wheel.file} into {self.store}") from None
-            raise
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        return tmp
 
-    def _admit(self, pkg: LockedPackage, wheel: Wheel, path: Path, origin: str, *, copy: bool) -> LocalWheel:
+    def _admit_file(self, pkg: LockedPackage, wheel: Wheel, path: Path, origin: str) -> LocalWheel:
+        """A local wheel (a wheelhouse, a file:// URL): its bytes read through one open, the same bytes hashed and
+        copied, so a name swapped after the check cannot put other bytes in the store."""
+        with _open_regular(pkg, wheel, path, origin) as source:
+            return self._admit(pkg, wheel, origin, iter(lambda: source.read(CHUNK), b""))
+
+    def _admit(self, pkg: LockedPackage, wheel: Wheel, origin: str, chunks: Iterable[bytes]) -> LocalWheel:
+        """Into the store: the bytes written to a new file (made here, in the store's own folders opened without
+        following links) and hashed as they are written; kept only when the hash is the lock's. The file is made
+        read-only through its descriptor before it is renamed into place, so nothing is ever done by name to a
+        path someone else could have swapped."""
+        with _Folder.of(self.store, PARTIAL) as partial:
+            name, actual = partial.write_new(f".{wheel.file}", chunks, where=f"{wheel.file} into {self.store}")
+            if wheel.sha256 is not None and actual != wheel.sha256:
+                partial.remove(name)
+                raise hash_mismatch(pkg, wheel, origin, actual)
+            if wheel.sha256 is None:
+                self.log(
+                    f"WARNING: {pkg.name} {pkg.version}: installing {wheel.file} with no hash in the lock "
+                    f"(--allow-unhashed); its sha256 here is {actual}, recorded as unverified"
+                )
+            with _Folder.of(self.store, (actual[:2], actual)) as final:
+                partial.move(name, final, wheel.file)
+        path = _store_path(self.store, actual, wheel.file)
+        return LocalWheel(pkg.name, pkg.version, wheel.file, path, actual, wheel.sha256 is not None)
+
+
+def _open_folder(name: str | Path, dir_fd: int | None, where: Path, make: int | None = None) -> int:
+    try:
+        return dirfd.open_folder(name, dir_fd, make=make)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise UsageError(
+                f"{where} is a link or not a folder: bwstack does not follow links in a wheel store or destination "
+                "it writes; remove it"
+            ) from None
+        raise
+
+
+PARTIAL = (".partial",)  # where the store's new files are written before they are renamed into place
+
+
+class _Folder:
+    """A folder of a wheel store or a destination, held by its descriptor: every file is made, moved and removed
+    relative to it, and the folders below the base are made and opened without following a link (a store or
+    DEST that others can write may hold links planted where bwstack's files go)."""
+
+    def __init__(self, fd: int, path: Path) -> None:
+        self.fd, self.path = fd, path
+
+    @classmethod
+    def of(cls, base: Path, parts: Iterable[str] = ()) -> _Folder:
+        where = Path(base)
+        os.makedirs(where, exist_ok=True)
+        fd = _open_folder(where, None, where)
+        for part in parts:
+            where = where / part
+            try:
+                sub = _open_folder(part, fd, where, make=0o755)
+            finally:
+                os.close(fd)
+            fd = sub
+        return cls(fd, where)
+
+    def __enter__(self) -> _Folder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
+
+    def write_new(self, prefix: str, chunks: Iterable[bytes], *, where: str, mode: int = 0o444) -> tuple[str, str]:
+        """A new file here holding chunks (dirfd.write_new): its name and sha256."""
         try:
-            actual = check_wheel_file(pkg, wheel, path, origin)
-        except HashMismatchError:
-            if not copy:
-                path.unlink(missing_ok=True)
+            return dirfd.write_new(self.fd, prefix, chunks, mode=mode)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise DiskFullError(f"disk full while writing {where}") from None
             raise
-        verified = wheel.sha256 is not None
-        if not verified:
-            self.log(
-                f"WARNING: {pkg.name} {pkg.version}: installing {wheel.file} with no hash in the lock "
-                f"(--allow-unhashed); its sha256 here is {actual}, recorded as unverified"
-            )
-        final = _store_path(self.store, actual, wheel.file)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        if not final.is_file():
-            if copy:
-                tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-                try:
-                    shutil.copyfile(path, tmp)
-                except OSError as exc:
-                    tmp.unlink(missing_ok=True)
-                    if exc.errno == 28:
-                        raise DiskFullError(f"disk full while copying {wheel.file} into {self.store}") from None
-                    raise
-                os.replace(tmp, final)
-            else:
-                os.replace(path, final)
-            os.chmod(final, 0o444)
-        elif not copy:
-            path.unlink(missing_ok=True)
-        return LocalWheel(pkg.name, pkg.version, wheel.file, final, actual, verified)
+
+    def move(self, name: str, into: _Folder, final: str) -> None:
+        """name (here) renamed to final in `into` (dirfd.move): a planted link there is replaced, never followed."""
+        try:
+            dirfd.move(self.fd, name, final, into.fd)
+        except IsADirectoryError:
+            raise UsageError(f"{into.path / final} is a folder where a wheel belongs: remove it") from None
+
+    def remove(self, name: str) -> None:
+        dirfd.remove(self.fd, name)
 
 
 def link_dir(wheels: Mapping[str, LocalWheel], directory: Path) -> Path:
@@ -316,11 +384,16 @@ def export(wheels: Mapping[str, LocalWheel], directory: Path, log=print) -> list
 
 
 def _place(source: Path, out: Path) -> None:
-    """source at out, atomically: a hard link where the filesystem allows, else a copy."""
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
-    try:
-        os.link(source, tmp)
-    except OSError:
-        shutil.copyfile(source, tmp)
-    os.replace(tmp, out)
+    """source at out, atomically: a hard link where the filesystem allows, else a copy, made under a new name in
+    out's folder (held by its descriptor) and renamed over out, so a link planted at out or at a temporary name
+    is replaced, never written through."""
+    with _Folder.of(out.parent) as folder:
+        name = f".{out.name}.{secrets.token_hex(8)}.tmp"
+        try:
+            os.link(source, name, dst_dir_fd=folder.fd, follow_symlinks=False)
+        except OSError:
+            with open(source, "rb") as data:
+                name, _ = folder.write_new(
+                    f".{out.name}", iter(lambda: data.read(CHUNK), b""), where=str(out), mode=0o644
+                )
+        folder.move(name, folder, out.name)

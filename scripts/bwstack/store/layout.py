@@ -14,11 +14,16 @@ from bwstack.store.objects import ObjectStore
 
 
 def setting(explicit: str | None, variable: str) -> str | None:
-    """A path setting from the command line or the environment; an empty value is an error, not a default."""
+    """A path setting from the command line or the environment; an empty value is an error, not a default, and
+    so is one with a control character (the path goes into scripts and unit files, where a newline ends a line)."""
     value = explicit if explicit is not None else os.environ.get(variable)
-    if value is not None and not value.strip():
-        source = variable if explicit is None else f"--{variable.removeprefix('BWSTACK_').lower().replace('_', '-')}"
+    if value is None:
+        return None
+    source = variable if explicit is None else f"--{variable.removeprefix('BWSTACK_').lower().replace('_', '-')}"
+    if not value.strip():
         raise UsageError(f"{source} is empty: give a path (or unset it to use the default)")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        raise UsageError(f"{source} {value!r} holds a control character (a newline, a tab): not a path")
     return value
 
 
@@ -97,31 +102,35 @@ class Layout:
 
 def check_cache(layout: Layout) -> None:
     """Refuse a cache folder others could write (a shared BWSTACK_CACHE another user owns or opened up): the wheels,
-    uv's unpacked files and the hashes of sealed files kept there become root's generations. One this run is
-    about to make is refused where others could write the folder it would be made in."""
-    cache = layout.cache
-    if not os.path.lexists(cache):
-        # Made by this run: whoever could write the nearest folder above it could rename it away and put theirs
-        # in its place while the run uses it.
-        above = cache.parent
+    uv's unpacked files and the hashes of sealed files kept there become root's generations."""
+    check_private_folder(layout.cache, "the cache folder", "BWSTACK_CACHE")
+
+
+def check_private_folder(folder: Path, what: str, setting: str) -> None:
+    """Refuse a folder whose files become what bwstack installs (a cache, a wheel store) when others could write
+    it. One this run is about to make is refused where others could write the folder it would be made in: they
+    could rename it away and put theirs in its place while the run uses it. `setting` names where the user
+    picks another."""
+    if not os.path.lexists(folder):
+        above = folder.parent
         while not os.path.lexists(above) and above != above.parent:
             above = above.parent
         try:
             why = pathtrust.folder_open_to_others(above)
         except OSError as exc:
-            raise UsageError(f"the cache folder {cache}: {exc.strerror}") from None
+            raise UsageError(f"{what} {folder}: {exc.strerror}") from None
         if why:
             raise UsageError(
-                f"the cache folder {cache} would be made where others can write ({why}): they could put their own "
-                "files in its place; use a folder only this user can write (BWSTACK_CACHE)"
+                f"{what} {folder} would be made where others can write ({why}): they could put their own files in "
+                f"its place; use a folder only this user can write ({setting})"
             )
         return
     try:
-        why = pathtrust.own_folder_open_to_others(cache)
+        why = pathtrust.own_folder_open_to_others(folder)
     except OSError as exc:
-        raise UsageError(f"the cache folder {cache}: {exc.strerror}") from None
+        raise UsageError(f"{what} {folder}: {exc.strerror}") from None
     if why:
         raise UsageError(
-            f"the cache folder {cache} is not this user's alone ({why}): what others put there would become "
-            "files of the generations bwstack builds; use a folder only this user can write (BWSTACK_CACHE)"
+            f"{what} {folder} is not this user's alone ({why}): what others put there would become files that "
+            f"bwstack installs; use a folder only this user can write ({setting})"
         )

@@ -20,7 +20,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     install.add_argument("--into", required=True)
     install.add_argument("--python-version", default="3.12")
     install.add_argument("--glibc", type=int, default=28, help="manylinux_2_N of the target (default 28)")
-    install.add_argument("--store", help="wheel store (default: beside the env)")
+    install.add_argument("--store", help="wheel store, a folder only this user can write (default: bwstack's own)")
     install.add_argument("--uv-cache")
     install.add_argument("--link-mode", default="copy", choices=["copy", "hardlink"])
 
@@ -30,12 +30,23 @@ def run(args: argparse.Namespace) -> int:
     from bwstack.lock.tags import Target, select
     from bwstack.provision import envbuild
     from bwstack.provision.wheelhouse import Fetcher, Sources
+    from bwstack.store.layout import Layout, check_cache, check_private_folder
 
     options.apply_ca_bundle(args)
     env = Path(args.into)
     packages = requirements.parse(Path(args.requirements))
     target = Target(python=args.python_version, glibc_minor=args.glibc)
-    store = Path(args.store) if args.store else env.parent / ".bwstack-wheels"
+    # The wheels become the env's files and uv's cache its unpacked copies: folders others could write are
+    # refused. Without --store, bwstack's own wheel store (never a folder beside the env, which may be /tmp).
+    if args.store:
+        store = Path(args.store)
+        check_private_folder(store, "the wheel store", "--store")
+    else:
+        layout = Layout.default()
+        check_cache(layout)
+        store = layout.wheel_store
+    if args.uv_cache:
+        check_private_folder(Path(args.uv_cache), "the uv cache", "--uv-cache")
     # No --index here: a build step gets its wheels from the build's server (a wheelhouse) or the lock's URLs.
     fetcher = Fetcher(store, Sources.parse(args.wheelhouse or (), (), args.offline), args.allow_unhashed or ())
     wheels = fetcher.fetch_all(select(packages, target))

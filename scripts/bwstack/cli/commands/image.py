@@ -27,7 +27,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
         metavar="IMAGE",
         help="use only IMAGE's layers (repeatable) as the build cache, e.g. the previous release",
     )
-    build.add_argument("--context-dir", help="stage the build context here (kept) instead of a temporary directory")
+    build.add_argument(
+        "--context-dir", help="keep a copy of the build context in this new folder (Docker reads a private one)"
+    )
 
     verify = sub.add_parser("verify", help="run the node checks and image checks against a container of IMAGE")
     verify.add_argument("image")

@@ -1,0 +1,85 @@
+"""Folders opened and files made relative to directory descriptors, never through a link.
+
+Root writes into folders someone else may change meanwhile: a wheel store or DEST others can write, an env its
+owner can change, a recording's folder. A path looked at and then used again by name can be swapped in between
+(a link planted at a temporary name, a folder renamed and replaced). Here a folder is opened once, without
+following a link, and every file is made in it exclusively (O_EXCL, so never a link or someone else's file),
+given its mode through its own descriptor, and renamed over its final name (a rename replaces a link, it never
+writes through one). Standard library only: the probe ships it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import secrets
+from collections.abc import Iterable
+
+FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_folder(name: str | os.PathLike[str], dir_fd: int | None = None, *, make: int | None = None) -> int:
+    """`name` (in `dir_fd`) opened as a folder, made first with mode `make` when it is missing. A link or a file
+    there raises OSError (ELOOP, ENOTDIR): it is never followed."""
+    if make is not None:
+        with contextlib.suppress(FileExistsError):  # there already: the open below judges what it is
+            os.mkdir(name, make, dir_fd=dir_fd)
+    return os.open(name, FOLDER_FLAGS, dir_fd=dir_fd)
+
+
+def write_new(
+    folder: int,
+    prefix: str,
+    chunks: Iterable[bytes],
+    *,
+    mode: int,
+    owner: tuple[int, int] | None = None,
+    sync: bool = False,
+) -> tuple[str, str]:
+    """A new file in `folder` holding `chunks`: its name (`prefix` and a random part) and its sha256. Mode (and
+    owner, where this user may give it) are set through its descriptor; `sync` flushes it to disk. Removed again
+    when anything fails, the error raised as it came."""
+    name = f"{prefix}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(name, NEW_FILE_FLAGS, 0o600, dir_fd=folder)
+    digest = hashlib.sha256()
+    try:
+        with open(fd, "wb", closefd=False) as out:  # buffered: every byte is written, or it raises
+            for chunk in chunks:
+                digest.update(chunk)
+                out.write(chunk)
+        os.fchmod(fd, mode)
+        if owner is not None and owner != (os.geteuid(), os.getegid()):
+            with contextlib.suppress(PermissionError):  # not root: the file stays ours, as any rewrite would make it
+                os.fchown(fd, *owner)
+        if sync:
+            os.fsync(fd)
+    except BaseException:
+        remove(folder, name)
+        raise
+    finally:
+        os.close(fd)
+    return name, digest.hexdigest()
+
+
+def move(folder: int, name: str, final: str, into: int | None = None) -> None:
+    """`name` in `folder` renamed to `final` in `into` (default: the same folder). Whatever lay at `final`, a
+    planted link included, is replaced, never followed; `name` is removed when the rename fails."""
+    try:
+        os.replace(name, final, src_dir_fd=folder, dst_dir_fd=folder if into is None else into)
+    except BaseException:
+        remove(folder, name)
+        raise
+
+
+def replace(folder: int, final: str, chunks: Iterable[bytes], **new: object) -> str:
+    """`final` in `folder` replaced by a new file of `chunks` (write_new's options), atomically; its sha256."""
+    name, sha256 = write_new(folder, f".{final}", chunks, **new)  # type: ignore[arg-type]
+    move(folder, name, final)
+    return sha256
+
+
+def remove(folder: int, name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name, dir_fd=folder)
