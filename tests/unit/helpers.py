@@ -221,3 +221,25 @@ def fixture_vars(stack: Path, node: Path, **more) -> dict:
         "bwstack_tool_wrapper": "",  # never this machine's /usr/local/bin
         **more,
     }
+
+
+OTHER_UID = 65534  # nobody: "another user" in the hostile-path tests
+
+
+def acl_for_another_user(path: Path) -> None:
+    """setfacl -m u:nobody:rwx PATH, written as the kernel's own xattr format (setfacl may not be installed)."""
+    import struct
+
+    undefined = 0xFFFFFFFF
+    entries = [
+        (0x01, 7, undefined),
+        (0x02, 7, OTHER_UID),
+        (0x04, 5, undefined),
+        (0x10, 7, undefined),
+        (0x20, 5, undefined),
+    ]
+    value = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *entry) for entry in entries)
+    try:
+        os.setxattr(path, "system.posix_acl_access", value)
+    except OSError as exc:
+        pytest.skip(f"no POSIX ACLs on this filesystem ({exc.strerror})")

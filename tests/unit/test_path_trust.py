@@ -10,13 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import OTHER_UID, acl_for_another_user
 
 from bwstack.probe import main as probe
 from bwstack.probe import pathtrust
 from bwstack.provision import cudatk
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving files to another user needs root")
-OTHER_UID = 65534  # nobody
 OTHER_GID = 65534  # nogroup: not this user's private group
 
 
@@ -66,32 +66,13 @@ def _link_of_another_user_on_the_way(home: Path) -> str:
     return f"the link {home / 'bin'} belongs to uid {OTHER_UID}"
 
 
-def _acl_for_another_user(path: Path) -> None:
-    """setfacl -m u:nobody:rwx PATH, written as the kernel's own xattr format (setfacl may not be installed)."""
-    import struct
-
-    undefined = 0xFFFFFFFF
-    entries = [
-        (0x01, 7, undefined),
-        (0x02, 7, OTHER_UID),
-        (0x04, 5, undefined),
-        (0x10, 7, undefined),
-        (0x20, 5, undefined),
-    ]
-    value = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *entry) for entry in entries)
-    try:
-        os.setxattr(path, "system.posix_acl_access", value)
-    except OSError as exc:
-        pytest.skip(f"no POSIX ACLs on this filesystem ({exc.strerror})")
-
-
 def _acl_on_nvcc(home: Path) -> str:
-    _acl_for_another_user(home / "bin" / "nvcc")
+    acl_for_another_user(home / "bin" / "nvcc")
     return "given to others by an access ACL"
 
 
 def _acl_on_bin(home: Path) -> str:
-    _acl_for_another_user(home / "bin")
+    acl_for_another_user(home / "bin")
     return "given to others by an access ACL"
 
 
@@ -162,7 +143,6 @@ def test_the_probe_does_not_run_an_nvcc_others_could_replace(tmp_path, monkeypat
     facts = probe.cuda_facts(env, "12.0")
     assert not (tmp_path / "ran").exists(), "the planted nvcc ran"
     assert "is writable by everyone" in facts["nvcc_refused"] and "compile" not in facts
-
 
 
 def _open_ptxas(home: Path) -> str:

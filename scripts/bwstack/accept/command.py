@@ -61,11 +61,48 @@ def _machine(args: argparse.Namespace):
         except ValueError as exc:
             raise UsageError(f"--machine: {exc}") from None
     if args.record is not None:
-        out = Path(args.record)
-        if not args.record.strip() or (out.exists() and (not out.is_dir() or any(out.iterdir()))):
-            raise UsageError(f"--record {args.record!r}: name a new or empty directory")
-        return Recorder(out)
+        out = _record_folder(args.record)
+        try:  # the Recorder checks again, on the folder it opened: a swap since the check above is refused too
+            return Recorder(out)
+        except OSError as exc:
+            raise UsageError(f"--record {args.record}: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise UsageError(f"--record {args.record}: {exc}") from None
     return Machine()
+
+
+def _record_folder(text: str) -> Path:
+    """--record DIR: root writes the node's facts and kernel log there, so DIR is new (the Recorder makes it 0700)
+    or an empty folder that only this user can change, on a path that only root and this user can change: nobody
+    else may swap a name in it for a link to a file of root's, or read what is recorded."""
+    if not text.strip():
+        raise UsageError(f"--record {text!r}: name a new or empty directory")
+    try:
+        why = _record_folder_unfit(Path(text))
+    except OSError as exc:
+        why = f"cannot be checked ({exc.strerror or exc})"
+    if why:
+        raise UsageError(f"--record {text}: {why}")
+    return Path(text)
+
+
+def _record_folder_unfit(out: Path) -> str | None:
+    from bwstack.probe import pathtrust
+
+    if os.path.islink(out):
+        return "is a link: name a new or empty directory (a link is not followed)"
+    if not os.path.lexists(out):
+        above = Path(os.path.abspath(out)).parent
+        while not os.path.lexists(above):
+            above = above.parent
+        why = pathtrust.folder_open_to_others(above)  # where the new one goes (/tmp's sticky bit is enough)
+        return f"{why} (a new folder is made only where nobody else can change it)" if why else None
+    if not out.is_dir():
+        return "is not a directory: name a new or empty directory"
+    if any(out.iterdir()):
+        return "is not empty: name a new or empty directory"
+    why = pathtrust.own_folder_open_to_others(out)
+    return f"{why} (an existing folder must be this user's alone)" if why else None
 
 
 def accept(args: argparse.Namespace, log: Callable[[str], None]) -> AcceptReport:
@@ -86,10 +123,13 @@ def accept(args: argparse.Namespace, log: Callable[[str], None]) -> AcceptReport
     else:
         target = profile.target
     timeout = _timeout(args.timeout)
-    machine = _machine(args)
     python = None if args.no_runtime or args.machine is not None else _python(args.env)
     want = Want.of(profile, target)
-    facts = collect(machine)
+    machine = _machine(args)  # after the other checks: bad input makes no recording folder
+    try:
+        facts = collect(machine)
+    finally:
+        machine.close()  # a recording is complete once the facts are read
     static = judge_static(facts, want)
     runtime: tuple[Finding, ...] = ()
     note, bench, allreduce = "", None, None

@@ -26,21 +26,39 @@ class Installed:
 
 
 def site_packages(env: Path) -> Path:
-    """The purelib site-packages of a venv (lib/pythonX.Y/site-packages)."""
+    """The purelib site-packages of a venv (lib/pythonX.Y/site-packages): that of the Python its pyvenv.cfg
+    names when the env has one, else that of the newest Python by number (as text, python3.9 sorts after
+    python3.12): an env can hold the folders of more than one Python."""
     env = Path(env)
-    candidates = sorted(env.glob("lib/python3.*/site-packages"))
+    candidates = sorted(env.glob("lib/python3.*/site-packages"), key=lambda sp: _python_number(sp.parent.name))
     if not candidates:
         raise FileNotFoundError(f"{env} is not a Python env: no lib/python3.*/site-packages in it")
-    return candidates[-1]
+    named = _configured_version(env)
+    minor = "python" + ".".join(named.split(".")[:2]) if named else None
+    return next((sp for sp in candidates if sp.parent.name == minor), candidates[-1])
 
 
-def env_python_version(env: Path) -> str | None:
+def _python_number(folder: str) -> tuple[int, int, str]:
+    """Sort key of a lib/ folder: (major, minor) of `python3.12` (`python3.13t` too), then the name."""
+    match = re.match(r"python(\d+)\.(\d+)", folder)
+    return (int(match[1]), int(match[2]), folder) if match else (0, 0, folder)
+
+
+def _configured_version(env: Path) -> str | None:
+    """The Python version pyvenv.cfg names (`version = 3.12.3` from venv, `version_info = 3.12.3` from uv)."""
     cfg = treecheck.read_text(Path(env) / "pyvenv.cfg")
     if cfg is not None:
         for line in cfg.splitlines():
             key, _, value = line.partition("=")
             if key.strip() in ("version_info", "version"):
                 return ".".join(value.strip().split(".")[:3])
+    return None
+
+
+def env_python_version(env: Path) -> str | None:
+    named = _configured_version(env)
+    if named is not None:
+        return named
     match = re.search(r"python(3\.\d+)", str(site_packages(env)))
     return match.group(1) if match else None
 

@@ -11,21 +11,32 @@ catalogue holds each file's original and patched sha256 and the edit as exact te
 Writes are atomic (temp file in the same directory, fsync, rename), keep the file's mode (and owner, when run
 as root), break hard links into a uv cache instead of writing through them, and delete the files' stale
 `__pycache__/<module>.*.pyc`. The dist-info RECORD keeps the wheel's hashes: nothing checks it at run time.
+
+bwstack runs as root on envs others may own, so it never follows a link inside the env: every file is reached
+from the env one name at a time through folder descriptors opened without following a link (lib/pythonX.Y/
+site-packages, then the catalogue path), read and replaced relative to its folder's descriptor. A link on the
+way would let the env's owner point `sglang` at another env's (root's, a sealed generation) and have root
+rewrite that env's files; it is refused (UsageError) instead.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fnmatch
 import hashlib
+import os
+import re
 import stat
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bwstack.errors import BwstackError, IntegrityError, PreflightError, UsageError
-from bwstack.fsutil import atomic_write_bytes
 from bwstack.lock.patch_catalogue import Edit, Family, Patch, PatchCatalogueError, catalogue
+from bwstack.probe import dirfd
 from bwstack.probe.features import dist_version
-from bwstack.probe.treecheck import sha256_file
+from bwstack.probe.treecheck import MAX_TEXT_BYTES
 
 # per-file states
 ORIGINAL = "original"
@@ -46,6 +57,94 @@ class PatchRefusedError(PreflightError):
         self.path = path
         self.sha256 = sha256
         super().__init__(f"patch {patch_id}: {message}")
+
+
+# ------------------------------------------------------------------------------------- files, without links
+
+_VENV_SITE = re.compile(r"lib/python\d+\.\d+[^/]*/site-packages")
+
+
+def _refusal(folder: int, name: str, shown: Path, kind: str) -> UsageError:
+    """Why `name` in `folder` (shown as `shown`) cannot be opened as `kind`: a link, or something else."""
+    try:
+        link = stat.S_ISLNK(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode)
+    except OSError:
+        link = False
+    if link:
+        return UsageError(f"{shown} is a link: bwstack does not follow links inside an env; refusing to patch it")
+    return UsageError(f"{shown} is not {kind}; refusing to patch it")
+
+
+def _open_folder(folder: int, name: str, shown: Path) -> int:
+    try:
+        return dirfd.open_folder(name, folder)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        raise _refusal(folder, name, shown, "a folder") from None
+
+
+def _walk_start(site_packages: Path) -> tuple[Path, tuple[str, ...]]:
+    """Where the walk starts, and the names from there to site-packages. In a venv's layout the walk starts at the
+    env, opened as the caller named it (--env, or the store's own ml-env link): lib, pythonX.Y and site-packages
+    are the env owner's, and a link there would lead all of site-packages into another env."""
+    parts = site_packages.parts
+    if len(parts) > 3 and _VENV_SITE.fullmatch("/".join(parts[-3:])):
+        return Path(*parts[:-3]), parts[-3:]
+    return site_packages.parent, parts[-1:]
+
+
+@contextlib.contextmanager
+def _folder_of(site_packages: Path, rel: str) -> Iterator[tuple[int, Path]]:
+    """The folder that holds `rel` (a catalogue path) as a descriptor, and that folder's path for messages."""
+    start, names = _walk_start(Path(site_packages))
+    fd, shown = os.open(start, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), start
+    try:
+        for name in (*names, *rel.split("/")[:-1]):
+            shown = shown / name
+            child = _open_folder(fd, name, shown)
+            os.close(fd)
+            fd = child
+        yield fd, shown
+    finally:
+        os.close(fd)
+
+
+def _open_source(folder: int, name: str, shown: Path) -> int:
+    """`name` in `folder` opened for reading, only if it is a regular file: never through a link, and without
+    blocking on a FIFO put in its place."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    try:
+        fd = os.open(name, flags, dir_fd=folder)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise _refusal(folder, name, shown, "a regular file") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _refusal(folder, name, shown, "a regular file")
+    return fd
+
+
+def _read(site_packages: Path, rel: str) -> bytes | None:
+    """The bytes of `rel` (None where it or a folder on its way is absent); UsageError for a link on the way."""
+    name = rel.rsplit("/", 1)[-1]
+    try:
+        with (
+            _folder_of(site_packages, rel) as (folder, shown),
+            open(_open_source(folder, name, shown / name), "rb") as f,
+        ):
+            data = f.read(MAX_TEXT_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    if len(data) > MAX_TEXT_BYTES:  # no source file is that large; reading on could exhaust memory
+        raise UsageError(f"{site_packages / rel} is over {MAX_TEXT_BYTES} bytes: not a source file of {rel}")
+    return data
+
+
+def _sha256(site_packages: Path, rel: str) -> str | None:
+    data = _read(site_packages, rel)
+    return None if data is None else hashlib.sha256(data).hexdigest()
 
 
 def _patches(patch_ids: Iterable[str] | None) -> list[Patch]:
@@ -92,8 +191,7 @@ def _patch_state(site_packages: Path, patch: Patch) -> tuple[PatchState, Family 
     version = dist_version(site_packages, patch.package)
 
     def current(rel: str) -> str | None:
-        path = site_packages / rel
-        return sha256_file(path) if path.is_file() else None
+        return _sha256(site_packages, rel)
 
     if version is None:
         files = tuple(FileState(p, NOT_INSTALLED, current(p)) for p in patch.paths)
@@ -229,7 +327,9 @@ def _plan(site_packages: Path, patches: list[Patch], revert: bool) -> list[tuple
         for spec, f in zip(family.files, state.files, strict=True):
             if f.state == target_state:
                 continue
-            data = (site_packages / spec.path).read_bytes()
+            data = _read(site_packages, spec.path)
+            if data is None or hashlib.sha256(data).hexdigest() != f.sha256:
+                raise PatchRefusedError(patch.id, f"refusing to {verb}: {f.path} changed while it was checked", f.path)
             new = _apply_edits(data.decode("utf-8"), spec.edits, reverse=revert)
             target = spec.original_sha256 if revert else spec.patched_sha256
             if new is None or hashlib.sha256(new.encode("utf-8")).hexdigest() != target:
@@ -242,20 +342,46 @@ def _plan(site_packages: Path, patches: list[Patch], revert: bool) -> list[tuple
     return plans
 
 
-def _replace_file(path: Path, data: bytes) -> None:
-    """Atomically replace `path` with `data`, keeping its permission bits (and owner, when we may)."""
-    st = path.stat()
-    atomic_write_bytes(path, data, stat.S_IMODE(st.st_mode), owner=(st.st_uid, st.st_gid))
+def _write_new(folder: int, name: str, data: bytes, old: os.stat_result) -> None:
+    """Replace `name` in `folder` by a new file of `data` with `old`'s mode (and owner, when we may): a new inode,
+    so a hard link to the old file (uv's cache, another generation) keeps the old content. Made through the
+    folder's descriptor (dirfd), never by name: the folder is the env owner's to change meanwhile."""
+    owner = (old.st_uid, old.st_gid)
+    dirfd.replace(folder, name, [data], mode=stat.S_IMODE(old.st_mode), owner=owner, sync=True)
+    os.fsync(folder)
 
 
-def remove_bytecode(site_packages: Path, rel: str) -> tuple[str, ...]:
-    """Delete `__pycache__/<module>.*.pyc` of one source file; returns what was removed (relative paths)."""
-    source = Path(site_packages) / rel
+def _remove_bytecode(folder: int, stem: str) -> list[str]:
+    """Delete `__pycache__/<stem>.*.pyc` in `folder`; returns the names removed. A `__pycache__` that is a link
+    (or no folder) is left alone: the bytecode it leads to is not the env's to delete."""
+    try:
+        cache = dirfd.open_folder("__pycache__", folder)
+    except OSError:
+        return []
     removed = []
-    for pyc in sorted((source.parent / "__pycache__").glob(f"{source.stem}.*.pyc")):
-        pyc.unlink(missing_ok=True)
-        removed.append(pyc.relative_to(site_packages).as_posix())
-    return tuple(removed)
+    try:
+        for pyc in sorted(fnmatch.filter(os.listdir(cache), f"{stem}.*.pyc")):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(pyc, dir_fd=cache)  # unlink never follows a link: at worst it removes the link
+                removed.append(pyc)
+    finally:
+        os.close(cache)
+    return removed
+
+
+def _replace_file(site_packages: Path, rel: str, data: bytes) -> tuple[str, ...]:
+    """Atomically replace `rel` with `data` and delete its stale bytecode; returns what was removed (relative
+    paths). The folder is reached as `_read` reaches it: a link on the way is refused, never written through."""
+    parent, _, name = rel.rpartition("/")
+    with _folder_of(site_packages, rel) as (folder, shown):
+        old = _open_source(folder, name, shown / name)
+        try:
+            st = os.fstat(old)
+        finally:
+            os.close(old)
+        _write_new(folder, name, data, st)
+        removed = _remove_bytecode(folder, name.rsplit(".", 1)[0])
+    return tuple(f"{parent}/__pycache__/{pyc}".lstrip("/") for pyc in removed)
 
 
 def _run(site_packages: Path, patch_ids: Iterable[str], revert: bool) -> list[PatchResult]:
@@ -267,18 +393,18 @@ def _run(site_packages: Path, patch_ids: Iterable[str], revert: bool) -> list[Pa
         for spec, before, data, target in writes:
             path = site_packages / spec.path
             try:
-                _replace_file(path, data)
+                removed = _replace_file(site_packages, spec.path, data)
             except OSError as exc:
                 raise BwstackError(
                     f"patch {state.patch_id}: writing {path} failed ({exc}); files written before it: "
                     f"{', '.join(written) or 'none'}. `bwstack patch status` shows the state; apply or "
                     "revert finishes a partial patch"
                 ) from exc
-            after = sha256_file(path)
+            after = _sha256(site_packages, spec.path)
             if after != target:
                 raise IntegrityError(f"patch {state.patch_id}: {path} has sha256 {after} after writing, not {target}")
             action = "restored" if revert else "patched"
-            written[spec.path] = FileChange(spec.path, action, before, after, remove_bytecode(site_packages, spec.path))
+            written[spec.path] = FileChange(spec.path, action, before, after, removed)
         files = tuple(written.get(f.path) or FileChange(f.path, "unchanged", f.sha256, f.sha256) for f in state.files)
         if revert:
             action = "reverted" if written else "already original"

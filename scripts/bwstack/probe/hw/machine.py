@@ -1,22 +1,26 @@
 """Where acceptance reads a node's facts: a root directory for sysfs/procfs files and a command runner.
 
-Node-side: standard library only (it ships in the probe zipapp). The live machine is root "/" and runs the
-commands below. A recorded machine description is a directory that holds the same files under the same
-paths (sys/..., proc/..., etc/...) and the commands' outputs under commands/: `<name>.txt` (stdout),
-`<name>.exit` (exit status, 0 when absent), `<name>.stderr` and `<name>.argv` (both optional). Reading
-changes nothing: files are opened read-only, commands only query, nothing is written on the node (a
-recording writes only into the directory the user names).
+Node-side: standard library and bwstack.probe only (it ships in the probe zipapp). The live machine is root "/"
+and runs the commands below. A recorded machine description is a directory that holds the same files under the
+same paths (sys/..., proc/..., etc/...) and the commands' outputs under commands/: `<name>.txt` (stdout),
+`<name>.exit` (exit status, 0 when absent), `<name>.stderr` and `<name>.argv` (both optional). Reading changes
+nothing: files are opened read-only, commands only query, nothing is written on the node (a recording writes
+only into the directory the user names: private, through descriptors, following no link).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import stat
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from bwstack.probe import dirfd, pathtrust
 
 MAX_FILE_BYTES = 1 << 20  # sysfs/procfs files are small; a bigger one is not what we asked for
 MAX_OUTPUT_BYTES = 16 << 20  # a kernel log since boot can be large
@@ -110,6 +114,9 @@ class Machine:
         if not any((path / part).is_dir() for part in ("sys", "proc", "commands")):
             raise ValueError(f"{path}: not a recorded machine description (no sys/, proc/ or commands/ in it)")
         return cls(path.resolve(), commands=path.resolve() / "commands", label=str(path))
+
+    def close(self) -> None:
+        """Let go of what the machine holds (a recording's folder); reading holds nothing."""
 
     # ---------------------------------------------------------------------------------------------- files
 
@@ -245,33 +252,130 @@ def _run_live(alternatives: tuple[tuple[str, ...], ...]) -> Output | Unknown:
     return last
 
 
+def _not_private(fd: int) -> str | None:
+    """Why the folder open as `fd` is not fit for a recording: another owner, writable by others (a private
+    group aside), an access ACL, or not empty. The checks are the descriptor's, so a swap after them is moot."""
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
+        return f"belongs to uid {st.st_uid}, not to this user"
+    if st.st_mode & 0o002 or (st.st_mode & 0o020 and not pathtrust.private_group(st.st_gid)):
+        return "is writable by others"
+    if pathtrust.has_acl(fd):
+        return "is given to others by an access ACL"
+    if os.listdir(fd):
+        return "is not empty"
+    return None
+
+
+def _open_recording(directory: Path) -> int:
+    """`directory` opened for a recording: made (0700; parents as os.makedirs makes them) when missing, else an
+    empty folder of this user's that nobody else can write. Raises ValueError (unfit) or OSError (a link)."""
+    os.makedirs(directory.parent, exist_ok=True)
+    with contextlib.suppress(FileExistsError):  # there already: judged below by what the open finds
+        os.mkdir(directory, 0o700)
+    fd = dirfd.open_folder(directory)
+    try:
+        why = _not_private(fd)
+        if why:
+            raise ValueError(f"{directory} {why}: a recording goes into a new folder or an empty one of this user's")
+        os.fchmod(fd, 0o700)  # the recording holds the kernel log: private, whatever the folder's mode was
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _exists(name: str, dir_fd: int) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
 class Recorder(Machine):
     """The live machine, read as usual, with every file, link, listing and command output also written into
-    `directory`: a recorded machine description of this node that replays the same facts offline."""
+    `directory`: a recorded machine description of this node that replays the same facts offline.
+
+    Root records: every write is relative to a descriptor of the folder opened once (and checked) here, with no
+    link followed, so a name swapped in the recording cannot turn a write into one elsewhere. Folders are 0700,
+    files 0600 (the kernel log is in it). close() (or `with`) lets the folder go."""
 
     def __init__(self, directory: str | Path) -> None:
         super().__init__("/")
         self.out = Path(directory)
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "commands").mkdir(exist_ok=True)
         self.label = "this machine, recorded"
+        self._root = _open_recording(self.out)
+        try:
+            with self._folder(("commands",)):
+                pass
+        except BaseException:
+            self.close()
+            raise
 
-    def _dest(self, path: str) -> Path:
-        parts = [p for p in path.split("/") if p]
+    def close(self) -> None:
+        if self._root >= 0:
+            os.close(self._root)
+            self._root = -1
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _parts(self, path: str) -> tuple[str, ...]:
+        parts = tuple(p for p in path.split("/") if p)
         if any(p in (".", "..") for p in parts):
             raise ValueError(f"refusing to record {path!r}")
-        return self.out.joinpath(*parts)
+        return parts
+
+    def _split(self, path: str) -> tuple[tuple[str, ...], str]:
+        parts = self._parts(path)
+        if not parts:
+            raise ValueError(f"refusing to record {path!r}")
+        return parts[:-1], parts[-1]
+
+    def _open_folder(self, parts: tuple[str, ...]) -> int:
+        """A new descriptor of the recording's folder `parts`, each made (0700) when missing."""
+        fd = os.dup(self._root)
+        try:
+            for depth, name in enumerate(parts, 1):
+                try:
+                    sub = dirfd.open_folder(name, fd, make=0o700)
+                except OSError as exc:  # a link (ELOOP) or a file (ENOTDIR): refused, never followed
+                    where = os.path.join(self.out, *parts[:depth])
+                    why = f"{exc.strerror} (the recording needs its own folder there)"
+                    raise OSError(exc.errno, why, where) from None
+                os.close(fd)
+                fd = sub
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    @contextlib.contextmanager
+    def _folder(self, parts: tuple[str, ...]) -> Iterator[int]:
+        fd = self._open_folder(parts)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _write(self, folder: tuple[str, ...], name: str, text: str) -> None:
+        """`text` as the file `name` in `folder`: a new private file renamed over the name (a link or file there
+        is replaced, never written through)."""
+        with self._folder(folder) as fd:
+            dirfd.replace(fd, name, [text.encode("utf-8")], mode=0o600)
 
     def _save_unreadable(self, path: str, why: str) -> None:
         self._unreadable[path] = why
-        (self.out / UNREADABLE_FILE).write_text(json.dumps(self._unreadable, indent=1, sort_keys=True) + "\n")
+        self._write((), UNREADABLE_FILE, json.dumps(self._unreadable, indent=1, sort_keys=True) + "\n")
 
     def read(self, path: str) -> str | Unknown:
         text = super().read(path)
         if isinstance(text, str):
-            dest = self._dest(path)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_text(text, encoding="utf-8")
+            self._write(*self._split(path), text)
         elif os.path.lexists(path):  # there but unreadable: keep why, so the replay says the same
             self._save_unreadable(path, text.why)
         return text
@@ -279,37 +383,35 @@ class Recorder(Machine):
     def readlink(self, path: str) -> str | Unknown:
         target = super().readlink(path)
         if isinstance(target, str):
-            dest = self._dest(path)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            if not os.path.lexists(dest):
-                os.symlink(target, dest)
+            folder, name = self._split(path)
+            with self._folder(folder) as fd:
+                if not _exists(name, fd):
+                    os.symlink(target, name, dir_fd=fd)
         return target
 
     def listdir(self, path: str) -> list[str] | Unknown:
         names = super().listdir(path)
         if isinstance(names, list):
-            folder = self._dest(path)
-            folder.mkdir(parents=True, exist_ok=True)
-            for name in names:
-                source, dest = os.path.join(path, name), folder / name
-                if os.path.lexists(dest) or "/" in name:
-                    continue
-                if os.path.islink(source):
-                    os.symlink(os.readlink(source), dest)
-                elif os.path.isdir(source):
-                    dest.mkdir()
+            with self._folder(self._parts(path)) as fd:
+                for name in names:
+                    source = os.path.join(path, name)
+                    if "/" in name or _exists(name, fd):
+                        continue
+                    if os.path.islink(source):
+                        os.symlink(os.readlink(source), name, dir_fd=fd)
+                    elif os.path.isdir(source):
+                        os.mkdir(name, 0o700, dir_fd=fd)
         return names
 
     def run(self, name: str) -> Output | Unknown:
         result = super().run(name)
-        base = self.out / "commands" / name
         if isinstance(result, Unknown):  # replayed as the failure it was, not as "not recorded"
             result = Output(COMMANDS[name][0], 127, "", result.why)
-        if isinstance(result, Output):
-            base.with_name(name + ".txt").write_text(result.stdout, encoding="utf-8")
-            base.with_name(name + ".argv").write_text(" ".join(result.argv) + "\n", encoding="utf-8")
-            if result.returncode:
-                base.with_name(name + ".exit").write_text(f"{result.returncode}\n")
-            if result.stderr:
-                base.with_name(name + ".stderr").write_text(result.stderr, encoding="utf-8")
+        folder = ("commands",)
+        self._write(folder, name + ".txt", result.stdout)
+        self._write(folder, name + ".argv", " ".join(result.argv) + "\n")
+        if result.returncode:
+            self._write(folder, name + ".exit", f"{result.returncode}\n")
+        if result.stderr:
+            self._write(folder, name + ".stderr", result.stderr)
         return result
