@@ -140,9 +140,11 @@ def _store_args(p: dict) -> list[str]:
 
 def _source_args(p: dict) -> list[str]:
     """The `sources` option as bwstack's own options, unchanged: NAME -> --NAME (a list repeats it, true is the
-    bare flag, an empty value is left out)."""
+    bare flag, an empty value is left out). The index mirrors go in BWSTACK_INDEX instead (Runner.run)."""
     args: list[str] = []
     for name, value in (p["sources"] or {}).items():
+        if name == "index":
+            continue  # in the environment (Runner.run): a command line is readable by every user of the node
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             args += [flag] if value else []
@@ -191,7 +193,8 @@ class Runner:
 
     def run(self, *args: str, ok_codes: tuple[int, ...] = (0,)) -> tuple[int, dict, str]:
         cmd = [*self.base, *args]
-        rc, out, err = self.module.run_command(cmd)
+        mirrors = (self.p["sources"] or {}).get("index") or []
+        rc, out, err = self.module.run_command(cmd, environ_update={"BWSTACK_INDEX": "\n".join(mirrors)})
         if rc not in ok_codes:
             lines = [line for line in err.strip().splitlines() if line.strip()]
             errors = [line for line in lines if line.startswith("bwstack: error:")]

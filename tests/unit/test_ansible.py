@@ -21,6 +21,7 @@ from helpers import (
     PLAYBOOKS,
     REPO,
     ROLES,
+    bwstack,
     fixture_vars,
     local_inventory,
     needs_ansible,
@@ -162,12 +163,41 @@ def test_services_restart_inside_the_rollout_never_in_a_handler_after_it():
 
 
 def test_tasks_where_index_urls_flow_hide_them():
-    """An index URL may carry a token: the module hides its `index` option, the tool role its pip run."""
+    """An index URL may carry a token: the module hides its `index` option, the tool role its pip run, and pip
+    gets it from its environment, not its command line."""
     module = (ANSIBLE / "library" / "bwstack_node.py").read_text()
     assert '"index": {"type": "list", "elements": "str", "default": [], "no_log": True}' in module
     tasks = _tasks(yaml.safe_load((ANSIBLE / "roles" / "bwstack_tool" / "tasks" / "install.yml").read_text()))
-    pip = [t for t in tasks if "bwstack_tool_index_url" in json.dumps(t.get("ansible.builtin.command", {}))]
-    assert pip and all("no_log" in t for t in pip)
+    pip = [t for t in tasks if "bwstack_tool_index_url" in json.dumps(t.get("environment", {}))]
+    assert pip and all("no_log" in t and "PIP_INDEX_URL" in t["environment"] for t in pip)
+    assert not any("--index-url" in json.dumps(t.get("ansible.builtin.command", {})) for t in tasks)
+
+
+@needs_ansible
+def test_the_module_hands_index_mirrors_to_bwstack_in_its_environment_never_on_its_command_line(tmp_path):
+    """A command line is readable by every user of the node (/proc/PID/cmdline): a mirror's token is not."""
+    seen = tmp_path / "seen.json"
+    stand_in = tmp_path / "bwstack"
+    stand_in.write_text(
+        f"#!{sys.executable}\n"
+        "import json, os, sys\n"
+        f"open({str(seen)!r}, 'a').write(json.dumps([sys.argv[1:], os.environ.get('BWSTACK_INDEX')]) + '\\n')\n"
+        "print('[]' if 'generations' in sys.argv else json.dumps({'changed': False, 'actions': []}))\n"
+    )
+    stand_in.chmod(0o755)
+    (tmp_path / "root" / "generations").mkdir(parents=True)
+    mirror = "pypi=https://deploy:S3CRET-TOKEN@mirror.example/simple"
+    args = {
+        "action": "build", "bwstack": str(stand_in), "lock": str(tmp_path / "lock"), "root": str(tmp_path / "root"),
+        "ml_env": str(tmp_path / "env"), "cuda_link": "none", "sources": {"index": [mirror], "offline": True},
+    }  # fmt: skip
+    inventory = local_inventory(tmp_path / "hosts.yml")
+    result = run([tool("ansible"), "bwstack_nodes", "-i", str(inventory), "-m", "bwstack_node", "-a", json.dumps(args)])
+    assert result.rc == 0, result.out[-2000:]
+    calls = [json.loads(line) for line in seen.read_text().splitlines()]
+    assert calls and all("S3CRET" not in " ".join(argv) for argv, _ in calls)
+    assert any(env == mirror for argv, env in calls if "build" in argv)
+    assert "S3CRET" not in result.out
 
 
 # ------------------------------------------------------------------------------------------------ provision CLI
@@ -444,3 +474,71 @@ def test_apt_method_in_check_mode_plans_keyring_repository_and_pinned_package(fa
     assert "fixture=0" in result.out or "No package matching 'fixture'" in result.out
     assert not Path("/etc/apt/sources.list.d/bwstack-cuda.sources").exists()
     assert subprocess.run(["dpkg", "-s", "cuda-keyring"], capture_output=True).returncode != 0
+
+
+# ------------------------------------------------------------------------------------------------ the CUDA link
+
+_LINK_TASKS = (
+    "Remember where the active-toolkit link points",
+    "Look at the active-toolkit link after the package install",
+    "Put the active-toolkit link back where it was (the generation switch decides it, not the package)",
+)
+
+
+def _apt_link_play(tmp_path: Path, link: Path, moved_to: str | None) -> Path:
+    """The apt method's own link tasks (from apt.yml, as written), with a stand-in for the package install that
+    re-points the link (moved_to) or leaves it."""
+    apt = yaml.safe_load((ANSIBLE / "roles" / "bwstack_cuda" / "tasks" / "apt.yml").read_text())
+    tasks = {t["name"]: t for t in apt}
+    package = {
+        "name": "The package install (stand-in)",
+        "ansible.builtin.file": {"path": str(link), "src": moved_to, "state": "link", "force": True},
+        "when": moved_to is not None,
+    }
+    play = [{
+        "name": "apt link tasks", "hosts": "bwstack_nodes", "gather_facts": False,
+        "vars": {"bwstack_cuda_link": str(link)},
+        "tasks": [tasks[_LINK_TASKS[0]], package, tasks[_LINK_TASKS[1]], tasks[_LINK_TASKS[2]]],
+    }]  # fmt: skip
+    path = tmp_path / "play.yml"
+    path.write_text(yaml.safe_dump(play, sort_keys=False))
+    return path
+
+
+@needs_ansible
+@pytest.mark.parametrize(
+    ("target", "moved_to", "after"),
+    [
+        ("alternatives", None, "alternatives"),
+        ("cuda-12.8", None, "cuda-12.8"),
+        ("cuda-12.8", "cuda-13.0", "cuda-12.8"),
+    ],
+    ids=["an-alternatives-chain-stays", "a-relative-link-stays-relative", "a-link-the-package-moved-goes-back"],
+)
+def test_the_apt_method_puts_back_only_a_link_the_package_moved_as_it_was_written(tmp_path, target, moved_to, after):
+    for name in ("cuda-12.8", "cuda-13.0"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "alternatives").symlink_to("cuda-12.8")  # as /etc/alternatives/cuda would be
+    link = tmp_path / "cuda"
+    link.symlink_to(target)
+    play = _apt_link_play(tmp_path, link, moved_to)
+    result = run([tool("ansible-playbook"), "-i", str(local_inventory(tmp_path / "hosts.yml")), str(play)])
+    assert result.rc == 0, result.out[-2000:]
+    assert os.readlink(link) == after
+
+
+@needs_ansible
+@pytest.mark.parametrize("option", ["--root", "--ml-env"], ids=["a-command-in-root", "a-command-in-ml-env"])
+def test_option_values_reach_ansible_as_text_never_as_templates_run_on_the_controller(tmp_path, option):
+    """bwstack's options go to ansible-playbook as extra vars, which Ansible would render: a value holding
+    `{{ lookup('pipe', ...) }}` (a path, a waiver reason, a password) must stay the text it is."""
+    marker = tmp_path / "ran-on-controller"
+    value = f"{tmp_path}/{{{{ lookup('pipe', 'touch {marker}') }}}}"
+    paths = {"--root": str(tmp_path / "store"), "--ml-env": str(tmp_path / "ml-env"), option: value}
+    result = bwstack(
+        "rollback", "--target", "local://", "--root", paths["--root"], "--ml-env", paths["--ml-env"],
+        "--cuda-link", "none", env={"BWSTACK_LOG_DIR": str(tmp_path / "log")}, timeout=300,
+    )  # fmt: skip
+    assert not marker.exists(), "the template in the option ran"
+    if option == "--root":
+        assert f"bwstack is not installed at {value}/tool/bin/bwstack" in result.stderr + result.stdout

@@ -79,6 +79,22 @@ CASES: list[tuple[str, Callable[[dict], None] | str, str]] = [
         "must be an https:// URL",
     ),
     (
+        "wheel-url-with-a-newline",
+        _set(f"{TORCH_WHEEL}.url", "https://example.org/t.whl --hash=sha256:00\n-r /etc/shadow\n# "),
+        "holds a space or a control character",
+    ),
+    (
+        "wheel-url-naming-another-file",
+        _set(f"{TORCH_WHEEL}.url", "https://example.org/whl/other-1.0-py3-none-any.whl"),
+        "must end in the wheel's file name",
+    ),
+    (
+        "wheel-url-with-a-query",
+        _set(f"{TORCH_WHEEL}.url", "https://example.org/whl/x.whl?file=torch.whl"),
+        "must end in the wheel's file name",
+    ),
+    ("index-url-without-host", _set("indexes.pytorch-cu130.url", "https:///whl/cu130"), "names no host"),
+    (
         "python-as-number",
         _set("profiles.cu130.python", 3.12),
         "profiles.cu130.python: expected a non-empty string",

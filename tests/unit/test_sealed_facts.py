@@ -324,7 +324,7 @@ def test_an_import_outcome_recorded_in_another_environment_is_not_reused(built, 
     assert first["imports"]
 
 
-def test_the_environment_key_holds_what_changes_what_the_env_does_not_what_changes_between_sessions(monkeypatch, tmp_path):
+def test_the_environment_key_holds_what_the_env_reads_not_what_changes_between_sessions(monkeypatch, tmp_path):
     monkeypatch.setenv("PWD", "/somewhere")
     before = sealed.environment_key()
     monkeypatch.setenv("PWD", "/elsewhere")

@@ -13,6 +13,7 @@ an error wherever it is given, never a silent default.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from pathlib import Path
@@ -56,6 +57,14 @@ def non_negative_float(value: str) -> float:
     if not number >= 0 or number == float("inf"):
         raise argparse.ArgumentTypeError(f"{value!r} must be a finite number, 0 or more")
     return number
+
+
+def plain_path(value: str) -> str:
+    """A path without control characters: it is written into scripts, unit files and Ansible variables, where a
+    newline would start a line of its own."""
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        raise argparse.ArgumentTypeError(f"{value!r} holds a control character (a newline, a tab): not a path")
+    return value
 
 
 def existing_file(value: str) -> str:
@@ -150,18 +159,20 @@ def add_store(p: Container, *, cuda_link: bool = True, hidden: bool = False, on_
     if not hidden:
         p = _group(p, "store location")
     if on_targets:
-        p.add_argument("--root", help=f"bwstack's store on the targets (default {paths.DEFAULT_ROOT})")
-        p.add_argument("--ml-env", help="the env path users run on the targets (default /opt/ml-env)")
+        p.add_argument("--root", type=plain_path, help=f"bwstack's store on the targets (default {paths.DEFAULT_ROOT})")
+        p.add_argument("--ml-env", type=plain_path, help="the env path users run on the targets (default /opt/ml-env)")
         if cuda_link:
-            p.add_argument("--cuda-link", help="the /usr/local/cuda-style link on the targets ('none' to leave it)")
+            link_help = "the /usr/local/cuda-style link on the targets ('none' to leave it)"
+            p.add_argument("--cuda-link", type=plain_path, help=link_help)
         return
-    p.add_argument("--root", help=argparse.SUPPRESS if hidden else STORE_ROOT_HELP)
+    p.add_argument("--root", type=plain_path, help=argparse.SUPPRESS if hidden else STORE_ROOT_HELP)
     p.add_argument(
         "--ml-env",
+        type=plain_path,
         help=argparse.SUPPRESS if hidden else "the env path users run (default: /opt/ml-env as root, else ~/ml-env)",
     )
     if cuda_link:
-        p.add_argument("--cuda-link", help=argparse.SUPPRESS if hidden else CUDA_LINK_HELP)
+        p.add_argument("--cuda-link", type=plain_path, help=argparse.SUPPRESS if hidden else CUDA_LINK_HELP)
 
 
 def add_node(p: Container) -> None:
@@ -197,7 +208,12 @@ def add_sources(
         p.add_argument(
             "--wheelhouse", action="append", help="directory of wheels on the targets, used first (repeatable)"
         )
-        p.add_argument("--index", action="append", metavar="NAME=URL", help="a mirror for one of the lock's indexes")
+        p.add_argument(
+            "--index",
+            action="append",
+            metavar="NAME=URL",
+            help="a mirror for one of the lock's indexes (or BWSTACK_INDEX, one a line: kept out of `ps`)",
+        )
         p.add_argument("--offline", action="store_true", help="use only --wheelhouse (and the node's wheel store)")
         p.add_argument("--ca-bundle", help=ca_help or "CA bundle on the targets for TLS (always verified)")
     else:
@@ -208,7 +224,11 @@ def add_sources(
             help="directory of wheels to use first (repeatable)",
         )
         if index:
-            p.add_argument("--index", action="append", help="NAME=URL: a mirror for one of the lock's indexes")
+            p.add_argument(
+                "--index",
+                action="append",
+                help="NAME=URL: a mirror for one of the lock's indexes (or BWSTACK_INDEX, one a line: not in `ps`)",
+            )
         p.add_argument("--offline", action="store_true", help="use only the store and --wheelhouse")
         p.add_argument(
             "--ca-bundle",
@@ -253,11 +273,23 @@ def add_extra_vars(p: Container) -> None:
 # ------------------------------------------------------------------------------------------------ typed values
 
 
+INDEX_VARIABLE = "BWSTACK_INDEX"  # NAME=URL mirrors, one a line: credentials kept out of the process table
+
+
+def index_mirrors(args: argparse.Namespace) -> tuple[str, ...]:
+    """--index entries, then those in BWSTACK_INDEX (one NAME=URL a line). A command line is readable by every
+    user of the machine (/proc/PID/cmdline); a process's environment only by its owner, so a mirror URL with a
+    token in it goes there (the Ansible module does so on the nodes)."""
+    given = tuple(getattr(args, "index", None) or ())
+    from_env = tuple(line.strip() for line in os.environ.get(INDEX_VARIABLE, "").splitlines() if line.strip())
+    return given + from_env
+
+
 def sources(args: argparse.Namespace):
-    """--wheelhouse, --index and --offline as the provision layer's Sources."""
+    """--wheelhouse, --index (and BWSTACK_INDEX) and --offline as the provision layer's Sources."""
     from bwstack.provision.wheelhouse import Sources
 
-    return Sources.parse(args.wheelhouse or (), getattr(args, "index", None) or (), args.offline)
+    return Sources.parse(args.wheelhouse or (), index_mirrors(args), args.offline)
 
 
 def apply_ca_bundle(args: argparse.Namespace) -> None:
@@ -306,7 +338,7 @@ def playbook_settings(args: argparse.Namespace):
         ),
         sources=SourceSettings(
             wheelhouse=tuple(getattr(args, "wheelhouse", None) or ()),
-            index=tuple(getattr(args, "index", None) or ()),
+            index=index_mirrors(args),
             offline=bool(getattr(args, "offline", False)),
             ca_bundle=getattr(args, "ca_bundle", None),
             allow_unhashed=tuple(getattr(args, "allow_unhashed", None) or ()),

@@ -33,6 +33,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from bwstack import paths
 from bwstack.checks import hostspec
 from bwstack.errors import BwstackError, UsageError
@@ -402,6 +404,26 @@ def _raise_terminated(signum, _frame) -> None:
     raise _Terminated(signum)
 
 
+class _LiteralDumper(yaml.SafeDumper):
+    """Every string value tagged !unsafe: Ansible takes it as the text it is and never renders it as a template
+    (a --root, a waiver reason or an index password holding `{{ lookup('pipe', ...) }}` would otherwise run on
+    the controller). Mapping keys stay plain: they are variable names."""
+
+    def represent_dict(self, data):  # type: ignore[override]
+        key = "tag:yaml.org,2002:str"
+        pairs = [(self.represent_scalar(key, str(k)), self.represent_data(v)) for k, v in data.items()]
+        return yaml.MappingNode("tag:yaml.org,2002:map", pairs)
+
+
+_LiteralDumper.add_representer(dict, _LiteralDumper.represent_dict)
+_LiteralDumper.add_representer(str, lambda dumper, text: dumper.represent_scalar("!unsafe", text, style='"'))
+
+
+def literal_vars(variables: dict) -> str:
+    """variables as an Ansible extra-vars file (YAML) whose strings are data, never templates."""
+    return yaml.dump(variables, Dumper=_LiteralDumper, sort_keys=False, allow_unicode=True, width=1 << 30)
+
+
 def run_playbook(playbook: str, settings: PlaybookSettings, extra_vars: dict) -> int:
     directory = ansible_dir()
     binary = ansible_playbook()
@@ -419,8 +441,8 @@ def run_playbook(playbook: str, settings: PlaybookSettings, extra_vars: dict) ->
             local = targets.labels == {"localhost": "localhost"}
             if local:  # the build runs on this machine: its download progress can be shown as it goes
                 variables["bwstack_progress_file"] = str(Path(tmp) / "progress.json")
-            vars_file = Path(tmp) / "extra-vars.json"
-            vars_file.write_text(json.dumps(variables, indent=2))
+            vars_file = Path(tmp) / "extra-vars.yml"
+            vars_file.write_text(literal_vars(variables))
             cmd += ["-e", f"@{vars_file}"]
             for item in settings.extra_vars:
                 cmd += ["-e", item]

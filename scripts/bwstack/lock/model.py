@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
@@ -467,6 +468,12 @@ def _https_url(node: _Node, key: str) -> str:
     url = node.str(key)
     if not url.startswith("https://"):
         node.fail(f"{shown(url)} must be an https:// URL (TLS is always verified)", key)
+    # A URL is written into requirement files and handed to uv and pip: a space, a newline or another control
+    # character would end it there and start an option or a line of the lock's choosing.
+    if any(ord(c) <= 0x20 or ord(c) == 0x7F for c in url):
+        node.fail(f"{shown(url)} holds a space or a control character (percent-encode it)", key)
+    if not urlsplit(url).hostname:
+        node.fail(f"{shown(url)} names no host", key)
     return url.rstrip("/")
 
 
@@ -484,6 +491,9 @@ def _wheel(node: _Node) -> Wheel:
     if "/" in file or "\\" in file or file.startswith("."):
         node.fail(f"{shown(file)} is a path; a wheel file name names no folder", "file")
     url = _https_url(node, "url")
+    parts = urlsplit(url)
+    if unquote(parts.path.rsplit("/", 1)[-1]) != file or parts.query or parts.fragment:
+        node.fail(f"{shown(url)} must end in the wheel's file name {shown(file)}, with no query or fragment", "url")
     hash_source = node.str("hash_source")
     sha = node.raw("sha256")
     if sha is None:

@@ -16,6 +16,8 @@ def work(rank, world, init, q):
     torch.cuda.synchronize()
     q.put((rank, float(t[0].item()), float(t.min().item()), float(t.max().item())))
     dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     world = torch.cuda.device_count()
     init = "file://" + tempfile.mktemp(prefix="bwstack-nccl-")
@@ -24,6 +26,14 @@ if __name__ == "__main__":
     mp.start_processes(work, args=(world, init, q), nprocs=world, join=True, start_method="spawn")
     got = sorted(q.get() for _ in range(world))
     want = world * (world + 1) / 2
-    print(json.dumps({"world_size": world, "expected": want, "results": got,
-                      "ok": all(v == want and lo == want and hi == want for _, v, lo, hi in got),
-                      "nccl": ".".join(map(str, torch.cuda.nccl.version()))}))
+    print(
+        json.dumps(
+            {
+                "world_size": world,
+                "expected": want,
+                "results": got,
+                "ok": all(v == want and lo == want and hi == want for _, v, lo, hi in got),
+                "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+            }
+        )
+    )

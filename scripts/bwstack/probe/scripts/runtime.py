@@ -19,7 +19,7 @@ for i in range(n):
     try:
         a = torch.randn(512, 512, device=f"cuda:{i}")
         b = torch.randn(512, 512, device=f"cuda:{i}")
-        ref = (a.double().cpu() @ b.double().cpu())
+        ref = a.double().cpu() @ b.double().cpu()
         got = (a @ b).double().cpu()
         d["matmul_max_rel_err"] = float(((got - ref).abs().max() / ref.abs().max()).item())
         d["matmul_ok"] = d["matmul_max_rel_err"] < 1e-2
@@ -28,14 +28,19 @@ for i in range(n):
         d["matmul_error"] = str(exc)[:400]
     devices.append(d)
 out["devices"] = devices
+
+
 def rms_ref(x, w, eps):
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+
 if n:
     x = torch.randn(8, 1024, dtype=torch.bfloat16, device="cuda:0")
     w = torch.randn(1024, dtype=torch.bfloat16, device="cuda:0")
     try:
         import sgl_kernel
+
         y = sgl_kernel.rmsnorm(x, w, 1e-6)
         err = float((y.float() - rms_ref(x, w, 1e-6).float()).abs().max().item())
         out["sgl_kernel_rmsnorm"] = {"ok": err < 0.1, "max_abs_err": err}
@@ -43,6 +48,7 @@ if n:
         out["sgl_kernel_rmsnorm"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:600]}
     try:
         import flashinfer
+
         y = flashinfer.norm.rmsnorm(x, w, 1e-6)
         err = float((y.float() - rms_ref(x, w, 1e-6).float()).abs().max().item())
         out["flashinfer_rmsnorm"] = {"ok": err < 0.1, "max_abs_err": err}
