@@ -542,3 +542,20 @@ def test_option_values_reach_ansible_as_text_never_as_templates_run_on_the_contr
     assert not marker.exists(), "the template in the option ran"
     if option == "--root":
         assert f"bwstack is not installed at {value}/tool/bin/bwstack" in result.stderr + result.stdout
+
+
+@needs_ansible
+def test_ssh_connection_values_reach_the_inventory_as_text_never_as_templates(tmp_path):
+    """The inventory bwstack writes for --target ssh:// holds the operator's paths (--ssh-key, --known-hosts):
+    a template in a file name must not run on the controller."""
+    marker = tmp_path / "ran-on-controller"
+    key = tmp_path / "{{ lookup('pipe', 'touch $BWSTACK_TEST_MARKER') }}"  # a file name holds no slash
+    key.write_text("not a key")
+    key.chmod(0o600)
+    result = bwstack(
+        "rollback", "--target", "ssh://root@127.0.0.1:1", "--ssh-key", str(key), "--root", str(tmp_path / "store"),
+        "--ml-env", str(tmp_path / "ml-env"), "--cuda-link", "none", timeout=300,
+        env={"BWSTACK_LOG_DIR": str(tmp_path / "log"), "BWSTACK_TEST_MARKER": str(marker)},
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert not marker.exists(), "the template in the key's path ran"

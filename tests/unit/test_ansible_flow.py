@@ -93,11 +93,11 @@ class Node:
         args += ["--cuda-link", "none", "--wheelhouse", str(self.stack / "wheelhouse"), "--offline", "-e", f"@{extra}"]
         return self._record(step, bwstack_cli(self.lock, *args, log=self.logs / f"{step}.log"))
 
-    def play(self, step: str, name: str, **more) -> Run:
+    def play(self, step: str, name: str, flags: tuple[str, ...] = (), **more) -> Run:
         variables = fixture_vars(
             self.stack, self.node, bwstack_verify_skip=WAIVERS, bwstack_tool_wheel=self.wheel, **more
         )
-        return self._record(step, playbook(name, self.inventory, variables, log=self.logs / f"{step}.log"))
+        return self._record(step, playbook(name, self.inventory, variables, *flags, log=self.logs / f"{step}.log"))
 
     def _record(self, step: str, result: Run) -> Run:
         self.runs[step] = result
@@ -114,6 +114,12 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Node:
     n.provision("rerun", "fixture-new")
     n.provision("check", "fixture-new", "--check", "--diff")
     n.provision("full", "fixture-new", "--full")
+    # Only verify runs (--tags), with another setting: it must not vouch for settings no role applied.
+    receipt = n.root / "provisioned.json"
+    n.receipt_around_tagged = [receipt.read_bytes()]
+    n.play("tagged", "provision.yml", bwstack_profile="fixture-new", bwstack_mlenv_services=["bwstack-none.service"],
+           flags=("--tags", "verify"))  # fmt: skip
+    n.receipt_around_tagged.append(receipt.read_bytes())
     lock_copy = n.root / "stack.lock.yaml"
     lock_copy.write_text(lock_copy.read_text() + "# edited on the node\n")
     n.provision("edited", "fixture-new")
@@ -155,6 +161,13 @@ def test_full_runs_every_role_on_a_converged_node_and_changes_nothing(node: Node
     assert "every role runs: bwstack_converged_check is false (--full)" in run.out
     assert "localhost is fit for profile fixture-new" in run.out
     assert run.changed() == 0, run.tail(200)
+
+
+def test_a_run_limited_by_tags_verifies_but_writes_no_receipt_for_inputs_its_roles_never_applied(node: Node):
+    run = node.runs["tagged"].ok()
+    assert "every check passed or was skipped with a reason" in run.out
+    before, after = node.receipt_around_tagged
+    assert after == before, "the receipt now vouches for a setting no role applied"
 
 
 def test_a_node_whose_files_changed_since_the_last_run_runs_every_role_and_is_put_back(node: Node):

@@ -9,6 +9,7 @@ option and, where it has them, a missing required argument.
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
@@ -120,6 +121,7 @@ PATHS_THAT_CANNOT_BE_USED = [
     ("store-root-with-a-newline", lambda t: ["generations", "--root", f"{t}/store\nid"]),
     ("ml-env-with-a-tab", lambda t: ["generations", "--root", str(t / "store"), "--ml-env", f"{t}/env\tx"]),
     ("target-root-with-a-newline", lambda t: ["rollback", "--target", "local://", "--root", f"{t}/r\nx"]),
+    ("store-root-not-utf-8", lambda t: ["generations", "--root", os.fsdecode(os.fsencode(str(t)) + b"/r\xff")]),
 ]
 
 

@@ -194,10 +194,10 @@ def test_an_intact_dest_is_kept_as_it_is(stack, tmp_path):
 
 def _store_parts(stack) -> dict[str, tuple[str, ...]]:
     sha = next(s for f, s in _locked(stack).items() if f.startswith("fixture_dep-"))
-    return {"partial": (".partial",), "prefix": (sha[:2],), "entry": (sha[:2], sha)}
+    return {"store": (), "partial": (".partial",), "prefix": (sha[:2],), "entry": (sha[:2], sha)}
 
 
-@pytest.mark.parametrize("where", ["partial", "prefix", "entry"])
+@pytest.mark.parametrize("where", ["store", "partial", "prefix", "entry"])
 def test_a_link_planted_in_dest_store_is_refused_and_never_written_through(stack, tmp_path, where):
     """DEST is often shared: whoever can write it can plant a link where the store's folders go. Root's fetch
     refuses it in one line and leaves the folder the link names as it was."""
@@ -206,7 +206,7 @@ def test_a_link_planted_in_dest_store_is_refused_and_never_written_through(stack
     (victim / "secret").write_text("root only")
     parts = _store_parts(stack)[where]
     planted = dest.joinpath(".store", *parts)
-    planted.parent.mkdir(parents=True)
+    planted.parent.mkdir(parents=True, exist_ok=True)
     planted.symlink_to(victim)
     result = _fetch(stack, dest, "--wheelhouse", str(stack.wheelhouse), "--offline")
     assert result.returncode == 2, result.stderr
@@ -280,3 +280,37 @@ def test_index_mirrors_are_read_from_bwstack_index_as_well_as_the_command_line(s
     )  # fmt: skip
     assert result.returncode == 2
     assert result.stderr == "bwstack: error: --index 'not-a-mirror': expected NAME=https://mirror/simple\n"
+
+
+def test_a_dest_the_operator_named_through_a_link_of_their_own_is_used(stack, tmp_path):
+    real = tmp_path / "real-dest"
+    real.mkdir()
+    (tmp_path / "dest").symlink_to(real)
+    result = _fetch(stack, tmp_path / "dest", "--wheelhouse", str(stack.wheelhouse), "--offline")
+    assert result.returncode == 0, result.stderr
+    assert {f: _sha(real / f) for f in _locked(stack)} == _locked(stack)
+
+
+def test_dest_holds_hard_links_to_the_store_entries_it_hashed(stack, tmp_path):
+    dest = tmp_path / "dest"
+    assert _fetch(stack, dest, "--wheelhouse", str(stack.wheelhouse), "--offline").returncode == 0
+    for file, sha in _locked(stack).items():
+        assert (dest / file).stat().st_ino == (dest / ".store" / sha[:2] / sha / file).stat().st_ino
+
+
+def test_a_wheel_without_a_hash_is_never_read_through_a_link_in_a_wheelhouse(tmp_path):
+    """Its bytes are not checked against anything: a link there could lead to any file of root's."""
+    from types import SimpleNamespace
+
+    from bwstack.errors import BwstackError
+    from bwstack.provision.wheelhouse import hash_local_wheel
+
+    secret = tmp_path / "secret"
+    secret.write_text("root only")
+    house = tmp_path / "house"
+    house.mkdir()
+    (house / "x-1.0-py3-none-any.whl").symlink_to(secret)
+    pkg = SimpleNamespace(name="x", version="1.0")
+    wheel = SimpleNamespace(file="x-1.0-py3-none-any.whl", sha256=None)
+    with pytest.raises(BwstackError, match="is a link; the lock has no hash for this wheel"):
+        hash_local_wheel(pkg, wheel, house / wheel.file, str(house))

@@ -318,10 +318,11 @@ def test_a_kept_context_folder_must_be_new_and_made_where_only_this_user_can_wri
 def test_the_kept_context_is_a_copy_of_the_one_docker_reads(tmp_path):
     lock = load_lock(REAL_LOCK)
     staged = context.stage_context(lock, lock.profile("cu130"), tmp_path / "private", DOCKER / "Dockerfile")
-    context.keep_context(staged.path, tmp_path / "kept")
+    kept = tmp_path / "builds" / "today" / "kept"  # folders above it that do not exist yet are made
+    context.keep_context(staged.path, kept)
     files = sorted(p.relative_to(staged.path) for p in staged.path.rglob("*"))
-    assert files == sorted(p.relative_to(tmp_path / "kept") for p in (tmp_path / "kept").rglob("*"))
-    assert (tmp_path / "kept" / "Dockerfile").read_bytes() == (staged.path / "Dockerfile").read_bytes()
+    assert files == sorted(p.relative_to(kept) for p in kept.rglob("*"))
+    assert (kept / "Dockerfile").read_bytes() == (staged.path / "Dockerfile").read_bytes()
 
 
 def test_unhashed_and_missing_wheels_are_refused_before_any_build(tmp_path):

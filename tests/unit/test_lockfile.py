@@ -94,6 +94,7 @@ CASES: list[tuple[str, Callable[[dict], None] | str, str]] = [
         "must end in the wheel's file name",
     ),
     ("index-url-without-host", _set("indexes.pytorch-cu130.url", "https:///whl/cu130"), "names no host"),
+    ("index-url-bad-ipv6-host", _set("indexes.pytorch-cu130.url", "https://[host/whl/cu130"), "is not a valid URL"),
     (
         "python-as-number",
         _set("profiles.cu130.python", 3.12),

@@ -137,6 +137,26 @@ def test_the_cli_turns_a_link_into_one_line_and_exit_2(
     assert tree_fingerprint(victim) == before
 
 
+@pytest.mark.network
+@pytest.mark.parametrize("action", ["apply", "revert"])
+def test_an_env_reached_through_another_users_link_is_refused_before_anything_is_read(
+    tmp_path: Path, victim: Path, action: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--env ~user/env` where the user made that name a link to root's env: root would patch the env the user
+    chose (a sealed generation), so the env must be reached only through what root or this user owns."""
+    env = victim.parents[2]
+    if action == "revert":
+        patches.apply(victim, [PATCH])
+    theirs = tmp_path / "their-env"
+    theirs.symlink_to(env)
+    os.lchown(theirs, 65534, -1)
+    before = tree_fingerprint(victim)
+    assert main(["patch", action, "--env", str(theirs), "--patch", PATCH]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"the link {theirs} belongs to uid 65534" in err[0], err
+    assert tree_fingerprint(victim) == before
+
+
 # ------------------------------------------------------------------------------------------ not regular files
 
 

@@ -64,6 +64,8 @@ def plain_path(value: str) -> str:
     newline would start a line of its own."""
     if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
         raise argparse.ArgumentTypeError(f"{value!r} holds a control character (a newline, a tab): not a path")
+    if any(0xDC80 <= ord(c) <= 0xDCFF for c in value):
+        raise argparse.ArgumentTypeError(f"{value!r} is not UTF-8: not a path bwstack can pass on")
     return value
 
 

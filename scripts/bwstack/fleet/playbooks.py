@@ -435,8 +435,8 @@ def run_playbook(playbook: str, settings: PlaybookSettings, extra_vars: dict) ->
         with tempfile.TemporaryDirectory(prefix="bwstack-ansible-") as tmp:
             cmd = [binary, str(directory / playbook), *targets.args]
             if targets.inventory is not None:
-                inv = Path(tmp) / "inventory.json"
-                inv.write_text(json.dumps(targets.inventory, indent=2))
+                inv = Path(tmp) / "inventory.yml"  # its values are text, never templates (literal_vars)
+                inv.write_text(literal_vars(targets.inventory))
                 cmd += ["-i", str(inv)]
             local = targets.labels == {"localhost": "localhost"}
             if local:  # the build runs on this machine: its download progress can be shown as it goes

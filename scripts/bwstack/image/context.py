@@ -177,6 +177,7 @@ def keep_context(staged: Path, dest: Path) -> None:
     """A copy of the staged context at dest, made in a folder created here (exclusively): the operator reads it,
     Docker builds from the private one, so nothing written to dest can change the image."""
     check_kept_context(dest)
+    os.makedirs(dest.parent, exist_ok=True)  # below the nearest existing folder, which only this user can write
     try:
         os.mkdir(dest, 0o755)
     except FileExistsError:

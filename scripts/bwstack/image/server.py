@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bwstack.errors import BwstackError
+from bwstack.provision.wheelhouse import file_identity
 
 # The name the build's RUN steps fetch from. `.invalid` never resolves (RFC 6761): only the build's proxy answers.
 BUILD_HOST = "bwstack-build.invalid"
@@ -54,11 +55,7 @@ class Pinned:
 
     @classmethod
     def of(cls, path: Path, st: os.stat_result) -> Pinned:
-        return cls(path, _identity(st))
-
-
-def _identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        return cls(path, file_identity(st))
 
 
 def new_build_token() -> str:
@@ -174,7 +171,7 @@ class BuildServer:
             self._held[route] = (fd, st.st_size)
             if not stat.S_ISREG(st.st_mode):
                 raise BwstackError(f"cannot serve {path} to the build: not a regular file")
-            if isinstance(value, Pinned) and _identity(st) != value.identity:
+            if isinstance(value, Pinned) and file_identity(st) != value.identity:
                 raise BwstackError(
                     f"{path} changed after it was hash-checked (another file is at that name now): refused; "
                     "run the build again"
@@ -215,11 +212,14 @@ class BuildServer:
 def _send(connection: socket.socket, fd: int, size: int) -> None:
     """size bytes of fd from its start, by offset (each request its own position: requests run in threads)."""
     offset = 0
-    while offset < size:
-        sent = os.sendfile(connection.fileno(), fd, offset, size - offset)
-        if sent == 0:  # the file shrank since it was opened: the step's hash check refuses what it got
-            break
-        offset += sent
+    try:
+        while offset < size:
+            sent = os.sendfile(connection.fileno(), fd, offset, size - offset)
+            if sent == 0:  # the file shrank since it was opened: the step's hash check refuses what it got
+                break
+            offset += sent
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the step went away (a failed RUN): its own error is what the build reports
 
 
 def build_secret_args(server: BuildServer) -> dict[str, str]:

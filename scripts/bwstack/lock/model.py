@@ -472,7 +472,11 @@ def _https_url(node: _Node, key: str) -> str:
     # character would end it there and start an option or a line of the lock's choosing.
     if any(ord(c) <= 0x20 or ord(c) == 0x7F for c in url):
         node.fail(f"{shown(url)} holds a space or a control character (percent-encode it)", key)
-    if not urlsplit(url).hostname:
+    try:
+        host = urlsplit(url).hostname
+    except ValueError as exc:  # a malformed [IPv6] host, a bad port
+        node.fail(f"{shown(url)} is not a valid URL ({exc})", key)
+    if not host:
         node.fail(f"{shown(url)} names no host", key)
     return url.rstrip("/")
 

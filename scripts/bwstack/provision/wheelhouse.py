@@ -107,25 +107,41 @@ def hash_mismatch(pkg: LockedPackage, wheel: Wheel, origin: str, actual: str) ->
 
 def hash_local_wheel(pkg: LockedPackage, wheel: Wheel, path: Path, origin: str) -> tuple[str, os.stat_result]:
     """The sha256 of a local wheel file, which must be the lock's (when it has one), and the stat of what was read:
-    one open, so whoever uses the file later can tell whether the name still leads to the bytes hashed here. A
-    wheelhouse may link into a shared cache, so a link at the name is followed; it must lead to a regular file."""
+    one open, so whoever uses the file later can tell whether the name still leads to the bytes hashed here (a
+    file rewritten while it was read is refused: its stat before and after differ)."""
     with _open_regular(pkg, wheel, path, origin) as source:
+        before = os.fstat(source.fileno())
         digest = hashlib.sha256()
         while chunk := source.read(CHUNK):
             digest.update(chunk)
         st = os.fstat(source.fileno())
+    if file_identity(st) != file_identity(before):
+        raise BwstackError(f"{pkg.name} {pkg.version}: {path} from {origin} changed while it was hashed; refused")
     actual = digest.hexdigest()
     if wheel.sha256 is not None and actual != wheel.sha256:
         raise hash_mismatch(pkg, wheel, origin, actual)
     return actual, st
 
 
+def file_identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    """What tells one file's state from another's: device, inode, size, modification and change times."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 @contextlib.contextmanager
 def _open_regular(pkg: LockedPackage, wheel: Wheel, path: Path, origin: str) -> Iterator[BinaryIO]:
-    """The wheel file at path, open for reading (without blocking on a FIFO); anything but a regular file refused."""
+    """The wheel file at path, open for reading (without blocking on a FIFO); anything but a regular file refused.
+    A wheelhouse may link into a shared cache, so a link at the name is followed when the lock has the wheel's
+    hash (only its bytes count); for a wheel without one it is not: the link could lead to any file of root's."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_NOFOLLOW if wheel.sha256 is None else 0)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, flags)
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise BwstackError(
+                f"{pkg.name} {pkg.version}: {path} from {origin} is a link; the lock has no hash for this wheel, "
+                "so only a regular file is read (put the wheel itself there)"
+            ) from None
         why = exc.strerror
         raise BwstackError(f"{pkg.name} {pkg.version}: cannot read {wheel.file} from {origin}: {why}") from None
     with open(fd, "rb", buffering=0) as source:
@@ -145,8 +161,12 @@ class Fetcher:
         *,
         rehash_store: bool = False,
         progress: DownloadProgress | None = None,
+        inside: Path | None = None,
     ) -> None:
         self.store = Path(store)
+        # `inside`: a folder the operator named that others may write (`fetch --dest`): the store's own folders
+        # below it are opened without following a link. Otherwise the store path is the operator's own.
+        self._base, self._parts = (Path(inside), self.store.relative_to(inside).parts) if inside else (self.store, ())
         self.sources = sources
         self.allow_unhashed = set(allow_unhashed)
         self.http = http or pypi.session()
@@ -202,26 +222,92 @@ class Fetcher:
             return self._admit_file(pkg, wheel, Path(url[len("file://") :]), url)
         return self._admit(pkg, wheel, url, self._download(pkg, wheel, url))
 
+    def _entry(self, sha256: str, *, make: bool) -> _Folder:
+        """The store's folder for one hash, opened without following a link below the store's base."""
+        return _Folder.of(self._base, (*self._parts, sha256[:2], sha256), make=make)
+
     def _cached(self, pkg: LockedPackage, wheel: Wheel) -> Path | None:
-        """The store's copy of a hashed wheel, if it has one (re-hashed first with rehash_store)."""
+        """The store's copy of a hashed wheel, if it has one. With rehash_store it is read again through
+        descriptors (no link followed) and hashed: something else there is removed, and fetched again."""
         assert wheel.sha256 is not None
         cached = _store_path(self.store, wheel.sha256, wheel.file)
-        if not (cached.is_file() if not self.rehash_store else _is_regular(cached)):
-            if self.rehash_store and os.path.lexists(cached):
-                self._discard(pkg, cached, "is not a regular file")
+        if not self.rehash_store:
+            return cached if cached.is_file() else None
+        try:
+            entry = self._entry(wheel.sha256, make=False)
+        except FileNotFoundError:
             return None
-        if self.rehash_store:
-            actual = sha256_file(cached)
+        with entry:
+            try:
+                actual = _hash_in(entry, wheel.file)
+            except FileNotFoundError:
+                return None
+            except _NotRegular:
+                if stat.S_ISDIR(os.stat(wheel.file, dir_fd=entry.fd, follow_symlinks=False).st_mode):
+                    raise BwstackError(
+                        f"{pkg.name} {pkg.version}: the store's {cached} is not a regular file; remove it by hand"
+                    ) from None
+                self._discard(pkg, entry, cached, "is not a regular file")
+                return None
             if actual != wheel.sha256:
-                self._discard(pkg, cached, f"has sha256 {actual}, not the lock's {wheel.sha256}")
+                self._discard(pkg, entry, cached, f"has sha256 {actual}, not the lock's {wheel.sha256}")
                 return None
         return cached
 
-    def _discard(self, pkg: LockedPackage, cached: Path, why: str) -> None:
-        if cached.is_dir() and not cached.is_symlink():
-            raise BwstackError(f"{pkg.name} {pkg.version}: the store's {cached} {why}; remove it by hand")
-        cached.unlink()
+    def _discard(self, pkg: LockedPackage, entry: _Folder, cached: Path, why: str) -> None:
+        entry.remove(cached.name)
         self.log(f"WARNING: {pkg.name} {pkg.version}: the store's {cached} {why}: removed; fetching it again")
+
+    def export(self, wheels: Mapping[str, LocalWheel], directory: Path, log=print) -> list[str]:
+        """Put every fetched wheel at directory/<file> (a hard link into the store, else a copy); returns what was
+        replaced. What already lies there is kept only if it is a regular file with the wheel's sha256: anything
+        else (a damaged or swapped file, a link, a FIFO) is replaced with the verified wheel, and said so. The
+        store's copy is read through descriptors and hashed again as it is placed: what is linked or copied is
+        the inode whose bytes were just hashed."""
+        replaced = []
+        for wheel in sorted(wheels.values(), key=lambda w: w.file):
+            out = directory / wheel.file
+            if _is_regular(out):
+                actual = sha256_file(out)
+                if actual == wheel.sha256:
+                    continue
+                why = f"has sha256 {actual}, not {wheel.sha256}"
+            elif os.path.lexists(out):
+                if out.is_dir() and not out.is_symlink():
+                    raise BwstackError(f"{out} is a directory where {wheel.package}'s wheel belongs: remove it")
+                why = "is not a regular file"
+            else:
+                self._place(wheel, out)
+                continue
+            self._place(wheel, out)
+            replaced.append(str(out))
+            log(f"WARNING: {out} {why}: replaced with the verified wheel ({wheel.package} {wheel.version})")
+        return replaced
+
+    def _place(self, wheel: LocalWheel, out: Path) -> None:
+        """The store's copy of `wheel` at out, atomically: its inode hard-linked where the filesystem allows,
+        else its bytes copied, under a new name in out's folder renamed over out (a link planted at out or at a
+        temporary name is replaced, never written through)."""
+        with self._entry(wheel.sha256, make=False) as entry, entry.open_regular(wheel.file) as source:
+            digest = hashlib.sha256()
+            while chunk := source.read(CHUNK):
+                digest.update(chunk)
+            if digest.hexdigest() != wheel.sha256:
+                raise BwstackError(f"the store's {wheel.path} changed while it was exported; run the fetch again")
+            with _Folder.of(out.parent) as folder:
+                name = f".{out.name}.{secrets.token_hex(8)}.tmp"
+                try:  # the descriptor's own inode (linkat through /proc follows to it, not to any name)
+                    os.link(f"/proc/self/fd/{source.fileno()}", name, dst_dir_fd=folder.fd, follow_symlinks=True)
+                except OSError:
+                    source.seek(0)
+                    chunks = iter(lambda: source.read(CHUNK), b"")
+                    name, actual = folder.write_new(f".{out.name}", chunks, where=str(out), mode=0o644)
+                    if actual != wheel.sha256:
+                        folder.remove(name)
+                        raise BwstackError(
+                            f"the store's {wheel.path} changed while it was exported; run the fetch again"
+                        ) from None
+                folder.move(name, folder, out.name)
 
     def _mirror_url(self, pkg: LockedPackage, wheel: Wheel) -> str | None:
         mirror = self.sources.index_mirrors.get(pkg.index)
@@ -268,7 +354,7 @@ class Fetcher:
         following links) and hashed as they are written; kept only when the hash is the lock's. The file is made
         read-only through its descriptor before it is renamed into place, so nothing is ever done by name to a
         path someone else could have swapped."""
-        with _Folder.of(self.store, PARTIAL) as partial:
+        with _Folder.of(self._base, (*self._parts, *PARTIAL)) as partial:
             name, actual = partial.write_new(f".{wheel.file}", chunks, where=f"{wheel.file} into {self.store}")
             if wheel.sha256 is not None and actual != wheel.sha256:
                 partial.remove(name)
@@ -278,7 +364,7 @@ class Fetcher:
                     f"WARNING: {pkg.name} {pkg.version}: installing {wheel.file} with no hash in the lock "
                     f"(--allow-unhashed); its sha256 here is {actual}, recorded as unverified"
                 )
-            with _Folder.of(self.store, (actual[:2], actual)) as final:
+            with self._entry(actual, make=True) as final:
                 partial.move(name, final, wheel.file)
         path = _store_path(self.store, actual, wheel.file)
         return LocalWheel(pkg.name, pkg.version, wheel.file, path, actual, wheel.sha256 is not None)
@@ -296,6 +382,18 @@ def _open_folder(name: str | Path, dir_fd: int | None, where: Path, make: int | 
         raise
 
 
+class _NotRegular(OSError):
+    """A link, FIFO, device or folder where a store file belongs."""
+
+
+def _hash_in(folder: _Folder, name: str) -> str:
+    with folder.open_regular(name) as source:
+        digest = hashlib.sha256()
+        while chunk := source.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 PARTIAL = (".partial",)  # where the store's new files are written before they are renamed into place
 
 
@@ -308,18 +406,30 @@ class _Folder:
         self.fd, self.path = fd, path
 
     @classmethod
-    def of(cls, base: Path, parts: Iterable[str] = ()) -> _Folder:
+    def of(cls, base: Path, parts: Iterable[str] = (), *, make: bool = True) -> _Folder:
+        """base (the path the operator named: a link there is theirs, and followed) and the folders `parts` below
+        it, each made when missing (make) and opened without following a link. FileNotFoundError when a part is
+        missing and make is False."""
         where = Path(base)
-        os.makedirs(where, exist_ok=True)
-        fd = _open_folder(where, None, where)
+        if make:
+            os.makedirs(where, exist_ok=True)
+        fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         for part in parts:
             where = where / part
             try:
-                sub = _open_folder(part, fd, where, make=0o755)
+                sub = _open_folder(part, fd, where, make=0o755 if make else None)
             finally:
                 os.close(fd)
             fd = sub
         return cls(fd, where)
+
+    def open_regular(self, name: str) -> BinaryIO:
+        """name here, opened for reading only if it is a regular file itself (no link, FIFO or device)."""
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.fd)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise _NotRegular(name)
+        return open(fd, "rb", buffering=0)  # type: ignore[return-value]
 
     def __enter__(self) -> _Folder:
         return self
@@ -356,44 +466,3 @@ def link_dir(wheels: Mapping[str, LocalWheel], directory: Path) -> Path:
             link.unlink()
         link.symlink_to(wheel.path)
     return directory
-
-
-def export(wheels: Mapping[str, LocalWheel], directory: Path, log=print) -> list[str]:
-    """Put every fetched wheel at directory/<file> (a hard link into the store, else a copy); returns what was
-    replaced. What already lies there is kept only if it is a regular file with the wheel's sha256: anything
-    else (a damaged or swapped file, a link, a FIFO) is replaced with the verified wheel, and said so."""
-    replaced = []
-    for wheel in sorted(wheels.values(), key=lambda w: w.file):
-        out = directory / wheel.file
-        if _is_regular(out):
-            actual = sha256_file(out)
-            if actual == wheel.sha256:
-                continue
-            why = f"has sha256 {actual}, not {wheel.sha256}"
-        elif os.path.lexists(out):
-            if out.is_dir() and not out.is_symlink():
-                raise BwstackError(f"{out} is a directory where {wheel.package}'s wheel belongs: remove it")
-            why = "is not a regular file"
-        else:
-            _place(wheel.path, out)
-            continue
-        _place(wheel.path, out)
-        replaced.append(str(out))
-        log(f"WARNING: {out} {why}: replaced with the verified wheel ({wheel.package} {wheel.version})")
-    return replaced
-
-
-def _place(source: Path, out: Path) -> None:
-    """source at out, atomically: a hard link where the filesystem allows, else a copy, made under a new name in
-    out's folder (held by its descriptor) and renamed over out, so a link planted at out or at a temporary name
-    is replaced, never written through."""
-    with _Folder.of(out.parent) as folder:
-        name = f".{out.name}.{secrets.token_hex(8)}.tmp"
-        try:
-            os.link(source, name, dst_dir_fd=folder.fd, follow_symlinks=False)
-        except OSError:
-            with open(source, "rb") as data:
-                name, _ = folder.write_new(
-                    f".{out.name}", iter(lambda: data.read(CHUNK), b""), where=str(out), mode=0o644
-                )
-        folder.move(name, folder, out.name)

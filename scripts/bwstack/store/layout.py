@@ -24,6 +24,8 @@ def setting(explicit: str | None, variable: str) -> str | None:
         raise UsageError(f"{source} is empty: give a path (or unset it to use the default)")
     if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
         raise UsageError(f"{source} {value!r} holds a control character (a newline, a tab): not a path")
+    if any(0xDC80 <= ord(c) <= 0xDCFF for c in value):
+        raise UsageError(f"{source} {value!r} is not UTF-8: not a path bwstack can pass on")
     return value
 
 

@@ -24,7 +24,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from bwstack.lock.model import load_lock
     from bwstack.lock.tags import Target, select
-    from bwstack.provision.wheelhouse import Fetcher, export
+    from bwstack.provision.wheelhouse import Fetcher
 
     console = Console.of(args)
     lock = load_lock(args.lock)
@@ -35,14 +35,15 @@ def run(args: argparse.Namespace) -> int:
     # DEST is the operator's directory (often shared, handed to other machines): what is already in it, its
     # .store included, is hashed again before it is reused.
     fetcher = Fetcher(
-        dest / ".store", options.sources(args), args.allow_unhashed or (), log=console.log, rehash_store=True
-    )
+        dest / ".store", options.sources(args), args.allow_unhashed or (), log=console.log, rehash_store=True,
+        inside=dest,
+    )  # fmt: skip
     parts = {"env": closure.env, "cuda-toolkit": closure.cuda_toolkit}
     chosen = {}
     for part in ["env", "cuda-toolkit"] if args.part == "all" else [args.part]:
         chosen.update(select(parts[part], Target.of(profile)))
     wheels = fetcher.fetch_all(chosen)
-    replaced = export(wheels, dest, console.log)
+    replaced = fetcher.export(wheels, dest, console.log)
     payload = {n: w.as_dict() for n, w in wheels.items()}
     text = f"{len(wheels)} wheels in {dest}" + (f" ({len(replaced)} damaged files replaced)" if replaced else "")
     console.result(payload, text)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from bwstack.cli import options
@@ -20,10 +21,23 @@ def add_env_selection(p: argparse.ArgumentParser) -> None:
     options.add_json(p)
 
 
-def site_packages(args: argparse.Namespace) -> Path:
-    from bwstack.probe import envinspect
+def site_packages(args: argparse.Namespace, *, writes: bool = False) -> Path:
+    """The env's site-packages. One that bwstack will write (`writes`) must be reached only through folders and
+    links of root's or this user's, none writable by others: the env is opened again for every file patched, so
+    a user who could re-point a name on the way would choose which env root changes (a sealed generation)."""
+    from bwstack.probe import envinspect, pathtrust
 
     env = Path(args.env) if args.env else options.layout(args).ml_env
+    if writes and os.path.lexists(env):
+        try:
+            why = pathtrust.open_to_others(env)
+        except OSError as exc:
+            raise UsageError(f"the env {env}: {exc.strerror}") from None
+        if why:
+            raise UsageError(
+                f"the env {env} is reached through what others can change ({why}): bwstack patches only an env "
+                "that only root and this user can re-point"
+            )
     try:
         return envinspect.site_packages(env)
     except FileNotFoundError as exc:
@@ -42,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from bwstack.provision import patches
 
     console = Console.of(args)
-    site = site_packages(args)
+    site = site_packages(args, writes=args.action != "status")
     ids = args.patch or list(load_lock(args.lock).profile(args.profile).patches)
     if args.action == "status":
         states = patches.status(site, ids)
