@@ -4,6 +4,7 @@ command line, BWSTACK_* variables, or the defaults (root or user)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,6 +109,15 @@ def check_cache(layout: Layout) -> None:
     check_private_folder(layout.cache, "the cache folder", "BWSTACK_CACHE")
 
 
+def open_to_others(check: Callable[[Path], str | None], path: Path, what: str) -> str | None:
+    """Why `check` (one of probe.pathtrust's) finds `path` open to others, or None; a path that cannot be looked
+    at is one line naming `what`."""
+    try:
+        return check(path)
+    except OSError as exc:
+        raise UsageError(f"{what} {path}: {exc.strerror}") from None
+
+
 def check_private_folder(folder: Path, what: str, setting: str) -> None:
     """Refuse a folder whose files become what bwstack installs (a cache, a wheel store) when others could write
     it. One this run is about to make is refused where others could write the folder it would be made in: they
@@ -117,20 +127,14 @@ def check_private_folder(folder: Path, what: str, setting: str) -> None:
         above = folder.parent
         while not os.path.lexists(above) and above != above.parent:
             above = above.parent
-        try:
-            why = pathtrust.folder_open_to_others(above)
-        except OSError as exc:
-            raise UsageError(f"{what} {folder}: {exc.strerror}") from None
+        why = open_to_others(pathtrust.folder_open_to_others, above, what)
         if why:
             raise UsageError(
                 f"{what} {folder} would be made where others can write ({why}): they could put their own files in "
                 f"its place; use a folder only this user can write ({setting})"
             )
         return
-    try:
-        why = pathtrust.own_folder_open_to_others(folder)
-    except OSError as exc:
-        raise UsageError(f"{what} {folder}: {exc.strerror}") from None
+    why = open_to_others(pathtrust.own_folder_open_to_others, folder, what)
     if why:
         raise UsageError(
             f"{what} {folder} is not this user's alone ({why}): what others put there would become files that "

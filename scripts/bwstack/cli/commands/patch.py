@@ -26,13 +26,11 @@ def site_packages(args: argparse.Namespace, *, writes: bool = False) -> Path:
     links of root's or this user's, none writable by others: the env is opened again for every file patched, so
     a user who could re-point a name on the way would choose which env root changes (a sealed generation)."""
     from bwstack.probe import envinspect, pathtrust
+    from bwstack.store.layout import open_to_others
 
     env = Path(args.env) if args.env else options.layout(args).ml_env
     if writes and os.path.lexists(env):
-        try:
-            why = pathtrust.open_to_others(env)
-        except OSError as exc:
-            raise UsageError(f"the env {env}: {exc.strerror}") from None
+        why = open_to_others(pathtrust.open_to_others, env, "the env")
         if why:
             raise UsageError(
                 f"the env {env} is reached through what others can change ({why}): bwstack patches only an env "
