@@ -57,7 +57,9 @@ def test_lock_check_offline_passes_on_the_real_lock():
 def test_lock_check_flags_a_conflict_no_override_explains(tmp_path):
     doc = yaml.safe_load(REAL_LOCK.read_text())
     doc["closures"]["cu128"]["env"]["transformers"]["version"] = "4.57.0"
-    doc["closures"]["cu128"]["env"]["transformers"]["wheels"][0]["file"] = "transformers-4.57.0-py3-none-any.whl"
+    wheel = doc["closures"]["cu128"]["env"]["transformers"]["wheels"][0]
+    wheel["file"] = "transformers-4.57.0-py3-none-any.whl"
+    wheel["url"] = wheel["url"].rsplit("/", 1)[0] + "/" + wheel["file"]  # a wheel URL ends in its file name
     path = tmp_path / "stack.lock.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     result = bwstack("--lock", str(path), "lock", "--check", "--offline")
