@@ -43,3 +43,13 @@ def shipped(checkout_dir: str, package: str, marker: str, env: str | None = None
         if candidate and (Path(candidate) / marker).is_file():
             return Path(candidate)
     return None
+
+
+def path_problem(value: str) -> str | None:
+    """Why `value` cannot be a path bwstack passes on (into scripts, unit files, Ansible variables, where a
+    newline starts a line of its own), or None."""
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        return "holds a control character (a newline, a tab): not a path"
+    if any(0xDC80 <= ord(c) <= 0xDCFF for c in value):
+        return "is not UTF-8: not a path bwstack can pass on"
+    return None

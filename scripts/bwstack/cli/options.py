@@ -62,10 +62,9 @@ def non_negative_float(value: str) -> float:
 def plain_path(value: str) -> str:
     """A path without control characters: it is written into scripts, unit files and Ansible variables, where a
     newline would start a line of its own."""
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
-        raise argparse.ArgumentTypeError(f"{value!r} holds a control character (a newline, a tab): not a path")
-    if any(0xDC80 <= ord(c) <= 0xDCFF for c in value):
-        raise argparse.ArgumentTypeError(f"{value!r} is not UTF-8: not a path bwstack can pass on")
+    why = paths.path_problem(value)
+    if why:
+        raise argparse.ArgumentTypeError(f"{value!r} {why}")
     return value
 
 

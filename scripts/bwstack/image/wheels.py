@@ -38,13 +38,10 @@ def check_wheelhouses(selected: Iterable[tuple], wheelhouses: Iterable[Path | st
     name)."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
-    from bwstack.provision.wheelhouse import hash_local_wheel
+    from bwstack.provision.wheelhouse import Sources, hash_local_wheel
 
     found: dict[str, tuple] = {}
-    houses = [Path(h) for h in wheelhouses]
-    for house in houses:
-        if not house.is_dir():
-            raise UsageError(f"--wheelhouse {house}: not a directory")
+    houses = Sources.parse([str(h) for h in wheelhouses]).wheelhouses  # each must be a folder (one line if not)
     for pkg, wheel in selected:  # (LockedPackage, Wheel) pairs, as select() gives them
         for house in houses:
             candidate = house / wheel.file

@@ -23,10 +23,9 @@ def setting(explicit: str | None, variable: str) -> str | None:
     source = variable if explicit is None else f"--{variable.removeprefix('BWSTACK_').lower().replace('_', '-')}"
     if not value.strip():
         raise UsageError(f"{source} is empty: give a path (or unset it to use the default)")
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
-        raise UsageError(f"{source} {value!r} holds a control character (a newline, a tab): not a path")
-    if any(0xDC80 <= ord(c) <= 0xDCFF for c in value):
-        raise UsageError(f"{source} {value!r} is not UTF-8: not a path bwstack can pass on")
+    why = paths.path_problem(value)
+    if why:
+        raise UsageError(f"{source} {value!r} {why}")
     return value
 
 
