@@ -327,16 +327,3 @@ def gpu(facts: dict) -> dict:
     if not facts["gpu"]["present"]:
         pytest.skip(f"no GPU: {facts['gpu']['reason']}")
     return facts["gpu"]
-
-
-@pytest.fixture(scope="module")
-def target_gpu(gpu: dict, profile: Profile) -> dict:
-    """The GPUs when they are the profile's target capability; SM120-only checks skip on other GPUs."""
-    want = profile.expect.target_capability
-    caps = sorted({g["capability"] for g in gpu["gpus"]})
-    if caps != [want]:
-        pytest.skip(
-            f"GPU capability {', '.join(caps)} ({gpu['gpus'][0]['name']}), not the profile's {want}: "
-            f"SM{want.replace('.', '')}-only check"
-        )
-    return gpu

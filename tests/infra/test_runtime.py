@@ -14,8 +14,10 @@ def runtime(facts, gpu):
     return facts["runtime"]
 
 
-def test_gpus_are_the_profiles_target_capability(target_gpu, profile):
-    assert all(g["capability"] == profile.expect.target_capability for g in target_gpu["gpus"])
+def test_gpus_are_the_profiles_target_capability(gpu, profile):
+    want = profile.expect.target_capability
+    other = sorted({f"{g['capability']} ({g['name']})" for g in gpu["gpus"] if g["capability"] != want})
+    assert not other, f"GPU capability {', '.join(other)}, not the profile's {want}"
 
 
 def test_torch_sees_every_gpu(runtime, gpu):
@@ -25,7 +27,9 @@ def test_torch_sees_every_gpu(runtime, gpu):
     )
 
 
-def test_matmul_is_correct_on_every_gpu(runtime):
+def test_matmul_is_correct_on_every_gpu(runtime, gpu):
+    ran = len(runtime["devices"])
+    assert ran == len(gpu["gpus"]) and ran > 0, f"the matmul ran on {ran} GPU(s), nvidia-smi lists {len(gpu['gpus'])}"
     bad = [
         f"cuda:{d['index']}: {d.get('matmul_error') or d.get('matmul_max_rel_err')}"
         for d in runtime["devices"]
@@ -48,6 +52,8 @@ def test_flashinfer_op_runs(runtime, facts):
     assert result["ok"], f"flashinfer.norm.rmsnorm on cuda:0: {result.get('error') or result}"
 
 
-def test_nccl_allreduce_across_all_gpus_gives_the_right_sum(runtime):
+def test_nccl_allreduce_across_all_gpus_gives_the_right_sum(runtime, gpu):
     result = runtime["nccl_allreduce"]
+    world = result.get("world_size")
+    assert world == len(gpu["gpus"]), f"the all-reduce ran over {world} GPU(s), nvidia-smi lists {len(gpu['gpus'])}"
     assert result.get("ok"), f"NCCL all-reduce over {result.get('world_size')} GPU(s): {result.get('error') or result}"

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
+from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REAL_LOCK, bwstack, needs_py312
+from helpers import OTHER_UID, REAL_LOCK, bwstack, needs_py312
 
 from bwstack.lock.model import load_lock
 from bwstack.lock.requirements import parse, render, render_layers
@@ -206,6 +209,47 @@ def test_bench_refuses_bad_input_before_measuring_anything(args, says, tmp_path)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.count("\n") == 1 and says in result.stderr
     assert not (tmp_path / "work").exists() or not any((tmp_path / "work").iterdir())
+
+
+def _made_by_another_user(work: Path) -> None:
+    work.mkdir(mode=0o777)
+    os.chown(work, OTHER_UID, OTHER_UID)
+
+
+def _inside_a_folder_others_can_write(work: Path) -> None:
+    work.parent.mkdir()
+    os.chmod(work.parent, 0o777)
+
+
+@pytest.mark.parametrize(
+    ("prepare", "says"),
+    [
+        (_made_by_another_user, "is not this user's alone"),
+        (lambda work: work.mkdir(mode=0o777) or os.chmod(work, 0o777), "is not this user's alone"),
+        (_inside_a_folder_others_can_write, "would be made where others can write"),
+    ],
+    ids=["made-first-by-another-user", "writable-by-others", "to-be-made-where-others-write"],
+)
+def test_bench_refuses_a_scratch_folder_others_could_write(tmp_path, prepare, says):
+    """The benches write a lock and requirement files there and run what they wrote as root: another user's
+    folder (made first under the default's /var/tmp) could swap any of it."""
+    work = tmp_path / "shared" / "work" if prepare is _inside_a_folder_others_can_write else tmp_path / "work"
+    prepare(work)
+    result = bwstack("bench", "--work", str(work), "--only", "P6")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and f"--work {work} " in result.stderr and says in result.stderr
+    assert not work.exists() or not any(work.iterdir())
+
+
+def test_bench_makes_its_scratch_folder_for_this_user_alone_even_under_a_sticky_one(tmp_path):
+    """/var/tmp (the default's parent) is sticky: nobody renames another's entry, so a folder made there is safe."""
+    from bwstack.cli.commands import bench
+
+    (tmp_path / "sticky").mkdir()
+    os.chmod(tmp_path / "sticky", 0o1777)
+    work = tmp_path / "sticky" / "work"
+    bench._scratch(str(work))
+    assert stat.S_IMODE(os.stat(work).st_mode) == 0o700
 
 
 def test_the_bench_compiles_bwstacks_bytecode_as_an_install_has_it(tmp_path, monkeypatch):

@@ -150,3 +150,34 @@ def test_a_path_that_cannot_be_used_is_one_line_and_exit_2(tmp_path, capsys, arg
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert "error: " in err and "\n" not in err and "Traceback" not in err, err
+
+
+# Every path a command takes on its command line, as a user would mistype it: a control character in a path that
+# goes into scripts, logs and folder names is refused by the option itself, before anything is made.
+PATH_OPTIONS = [
+    ["fetch", "--dest", "{bad}"],
+    ["bench", "--work", "{bad}"],
+    ["env", "install", "--into", "{bad}"],
+    ["env", "install", "--into", "{ok}", "--store", "{bad}"],
+    ["env", "install", "--into", "{ok}", "--uv-cache", "{bad}"],
+    ["backup", "--archive", "{bad}"],
+    ["accept", "--record", "{bad}"],
+    ["verify", "--facts-dir", "{bad}"],
+    ["verify", "--env", "{bad}"],
+    ["plan", "--env", "{bad}"],
+    ["patch", "status", "--env", "{bad}"],
+    ["serve-plan", "--env", "{bad}"],
+    ["probe-bundle", "--out", "{bad}"],
+]
+
+
+@pytest.mark.parametrize("args", PATH_OPTIONS, ids=lambda a: "-".join(w.strip("-") for w in a if "{" not in w))
+def test_a_path_option_with_a_control_character_is_refused_before_anything_is_made(tmp_path, capsys, args):
+    bad = f"{tmp_path}/made\nhere"
+    argv = [w.format(bad=bad, ok=str(tmp_path / "ok")) for w in args]
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "holds a control character" in err and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []

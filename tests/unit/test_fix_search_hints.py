@@ -240,10 +240,11 @@ def test_the_fix_search_probe_on_an_unchanged_generation_folds_its_answer_into_t
     verify_job = {"device": DEVICE, "requests": [run["requests"][0]]}
     gpu, cuda, basis = [], {"home": "/usr/local/cuda-12.8"}, sealed.basis(env)
     job_key = node.plan_key(env, verify_job, gpu, cuda)
-    sealed.save_derived(env, job_key, _split(run, 0))  # what the verify's probe recorded
+    sealed.save_derived(env, job_key, {**_split(run, 0), "loaded": []})  # what the verify's probe recorded
     ask = {"device": run["device"], "requests": [run["requests"][2]]}
     # The answer as an earlier identical ask recorded it: the probe takes it from the cache, SGLang does not start.
-    sealed.save_derived(env, sealed.derived_key(None, "serve-plan-job", ask, gpu, cuda, base=basis), _split(run, 2))
+    answer = {**_split(run, 2), "loaded": []}  # its interpreter loaded nothing outside the env (none to check)
+    sealed.save_derived(env, sealed.derived_key(None, "serve-plan-job", ask, gpu, cuda, base=basis), answer)
     reuse = {"basis": basis, "gpu": gpu, "cuda": cuda}
     assert node.main(["--env", str(env), json.dumps({**ask, "hint_for": verify_job, "reuse": reuse})]) == 0
     assert json.loads(capsys.readouterr().out)["requests"] == [run["requests"][2]]
@@ -266,6 +267,8 @@ def test_a_plan_observed_after_the_generation_changed_is_kept_under_no_sealed_ke
     site = next(env.resolve().glob("lib/python3.*/site-packages"))
 
     class Observed:
+        loaded = ()  # nothing outside the env
+
         def as_dict(self) -> dict:
             return _split(run, 2)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import bwstack
+from bwstack.probe import interp
 
 PACKAGE = Path(bwstack.__file__).parent
 
@@ -121,10 +122,28 @@ def test_an_in_env_script_imports_no_bwstack_and_only_the_standard_library_at_mo
 
 
 def test_every_in_env_script_is_run_by_name_somewhere():
-    """A script file nobody runs is dead code: each is named by a run_script/script_source call."""
+    """A script file nobody runs is dead code: each is named by a run_script/script_source call, or included by
+    a script that is (interp.script_source puts its text there)."""
     sources = "\n".join(p.read_text(encoding="utf-8") for p in PACKAGE.rglob("*.py") if SCRIPTS not in p.parents)
+    run = {p.stem for p in in_env_scripts() if f'"{p.stem}"' in sources}
+    included = {
+        line.removeprefix(interp.INCLUDE).strip()
+        for p in in_env_scripts()
+        if p.stem in run
+        for line in p.read_text(encoding="utf-8").splitlines()
+        if line.startswith(interp.INCLUDE)
+    }
     for path in in_env_scripts():
-        assert f'"{path.stem}"' in sources, f"nothing runs probe/scripts/{path.name}"
+        assert path.stem in run | included, f"nothing runs probe/scripts/{path.name}"
+
+
+def test_an_included_script_is_in_the_text_that_runs():
+    """The import checks and SGLang's planner stamp what they loaded with the same code: loaded.py's text."""
+    helper = (SCRIPTS / "loaded.py").read_text(encoding="utf-8")
+    for name in ("imports", "serveplan"):
+        text = interp.script_source(name)
+        assert helper in text and not any(line.startswith(interp.INCLUDE) for line in text.splitlines()), name
+        compile(text, f"{name}.py", "exec")
 
 
 def test_an_upward_import_is_reported_even_inside_a_function():

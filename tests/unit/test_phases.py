@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import OTHER_UID
 
+from bwstack.errors import UsageError
 from bwstack.fleet import phases, playbooks
 from bwstack.provision.progress import DownloadProgress
 
@@ -281,6 +283,39 @@ def test_old_logs_are_pruned_to_the_last_few(tmp_path, monkeypatch):
     kept = phases.new_log("provision")
     logs = sorted(tmp_path.glob("provision-*.log"))
     assert len(logs) == phases.LOG_KEEP and kept in logs
+
+
+def test_a_log_directory_others_can_write_is_not_used(tmp_path, monkeypatch):
+    """Another user could put a link under the log's name there, or take the file away while the run writes it."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("BWSTACK_LOG_DIR", str(shared))
+    path = phases.new_log("provision")
+    try:
+        assert path.parent != shared and path.name.startswith("bwstack-provision-") and list(shared.iterdir()) == []
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    finally:
+        path.unlink()
+
+
+def test_pruning_removes_only_this_users_own_logs(tmp_path, monkeypatch):
+    """A sticky folder (BWSTACK_LOG_DIR=/tmp) holds others' files too: root removes none of them."""
+    monkeypatch.setenv("BWSTACK_LOG_DIR", str(tmp_path))
+    theirs = []
+    for i in range(phases.LOG_KEEP + 2):
+        log = tmp_path / f"provision-20260101T0000{i:02d}Z-1.log"
+        log.write_text("")
+        os.chown(log, OTHER_UID, OTHER_UID)
+        theirs.append(log)
+    phases.new_log("provision")
+    assert all(log.exists() for log in theirs)
+
+
+def test_an_empty_log_directory_setting_is_refused_not_replaced_by_the_default(monkeypatch):
+    monkeypatch.setenv("BWSTACK_LOG_DIR", " ")
+    with pytest.raises(UsageError, match="BWSTACK_LOG_DIR is empty"):
+        phases.new_log("provision")
 
 
 def test_download_progress_is_shown_at_intervals_when_not_a_terminal(tmp_path):

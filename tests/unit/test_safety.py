@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import needs_py312, vouched
+from helpers import OTHER_UID, needs_py312, vouched
 
 from bwstack.store.generations import Store
 from bwstack.store.layout import Layout
@@ -321,6 +322,33 @@ def test_archive_replaces_links_left_at_its_names_instead_of_writing_through_the
     assert [p.read_text() for p in sorted(victims.iterdir())] == ["root's file"] * 3
     assert not archive.is_symlink() and not Path(f"{archive}.sha256").is_symlink()
     assert archive.stat().st_mode & 0o777 == 0o644
+
+
+def test_the_partial_archive_a_killed_run_left_is_removed_by_the_next_one_and_nothing_else(stack, tmp_path):
+    """A kill while the archive is written leaves its temporary file (it can be gigabytes on a NAS). The next
+    archive to the same name removes what a killed run left: this user's own files that no run holds locked,
+    never another user's file, a link, or the file of a run still writing."""
+    stack.build("fixture-old", check=True)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    archive = shared / "gen.tar.zst"
+    killed = stack.run("backup", "--archive", str(archive), extra_env={"BWSTACK_TEST_KILL_AT": "archive-before-close"})
+    assert killed.returncode != 0
+    (left,) = shared.glob(".gen.tar.zst.*.partial")
+    theirs = shared / ".gen.tar.zst.theirs.partial"
+    theirs.write_text("")
+    os.chown(theirs, OTHER_UID, OTHER_UID)
+    victim = tmp_path / "victim"
+    victim.write_text("root's file")
+    (shared / ".gen.tar.zst.link.partial").symlink_to(victim)
+    writing = shared / ".gen.tar.zst.writing.partial"
+    writing.write_text("")
+    with open(writing) as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)  # a run that is still writing its archive
+        stack.run("backup", "--archive", str(archive), check=True)
+    assert not left.exists()
+    assert theirs.exists() and writing.exists() and victim.read_text() == "root's file"
+    assert (shared / ".gen.tar.zst.link.partial").is_symlink()
 
 
 def test_archive_to_a_full_disk_fails_cleanly_and_leaves_no_partial_file(stack, tiny_fs):

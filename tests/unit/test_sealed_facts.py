@@ -277,6 +277,21 @@ def test_after_the_host_changed_an_unchanged_generation_is_read_once_then_its_fa
 
 
 @needs_py312
+def test_results_computed_by_another_version_of_the_probe_are_computed_again(built, monkeypatch):
+    """A new bwstack with the same lock keeps the generation: a check fixed or widened since must run, not be
+    answered by what the old probe found (its static facts, its import outcomes, its plans)."""
+    first = probe.collect(built.ml_env, CAPABILITY, runtime=False)
+    assert probe.collect(built.ml_env, CAPABILITY, runtime=False)["facts_source"].get("imports") == "recorded"
+    monkeypatch.setattr(sealed, "probe_digest", lambda: "another probe")
+    other = probe.collect(built.ml_env, CAPABILITY, runtime=False)
+    assert other["facts_source"]["static"] == "read" and other["facts_source"]["why"] == sealed.PROBE_CHANGED
+    assert "imports" not in other["facts_source"], other["facts_source"]
+    again = probe.collect(built.ml_env, CAPABILITY, runtime=False)
+    assert again["facts_source"]["static"] == "recorded" and "by this bwstack's probe" in again["facts_source"]["why"]
+    assert again["facts_source"].get("imports") == "recorded" and again["elf"] == first["elf"]
+
+
+@needs_py312
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not found")
 def test_an_import_outcome_is_not_reused_after_a_library_it_loaded_was_copied_over_in_place(
     built, monkeypatch, tmp_path

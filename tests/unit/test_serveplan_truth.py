@@ -8,12 +8,13 @@ the six models, about a minute)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 from helpers import needs_py312
 
-from bwstack.probe import envinspect, fatbin
+from bwstack.probe import envinspect, fatbin, sealed
 from bwstack.probe.serveplan import node
 from bwstack.serveplan import assemble, catalogue
 from bwstack.serveplan.records import Verdict
@@ -96,15 +97,19 @@ def _requests() -> list[dict]:
     return [{"id": key, "tp": 8, **value} for key, value in MODELS.items()]
 
 
-_OBSERVED: dict[tuple[str, str], dict] = {}
+_OBSERVED: dict[tuple[str, str], node.Observation] = {}
 
 
-def observed(env: Path, capability: str) -> dict:
+def observation(env: Path, capability: str) -> node.Observation:
     key = (str(env), capability)
     if key not in _OBSERVED:
         device = node.Device(node.SIMULATED, capability, **TARGET)
-        _OBSERVED[key] = node.observe(env, device, _requests()).as_dict()
+        _OBSERVED[key] = node.observe(env, device, _requests())
     return _OBSERVED[key]
+
+
+def observed(env: Path, capability: str) -> dict:
+    return observation(env, capability).as_dict()
 
 
 def plan(env: Path, capability: str, model: str):
@@ -203,3 +208,16 @@ def test_flashinfer_064_makes_the_same_choices(real, real_flashinfer_064, capabi
         after = plan(real_flashinfer_064, capability, model)
         assert before.server_args == after.server_args, model
         assert [(p.component, p.backend) for p in before.paths] == [(p.component, p.backend) for p in after.paths]
+
+
+def test_the_planner_names_what_it_loaded_outside_the_env_and_nothing_of_its_own_run(real):
+    """What a recorded plan is reused against (sealed.loaded_changed): the base interpreter's modules and the
+    system libraries, stamped; not the env (its manifest covers it), nor the run's own folders, which are gone."""
+    loaded = observation(real.ml_env, "12.0").loaded
+    assert loaded, "the planner's interpreter named what it loaded"
+    env = os.path.realpath(real.ml_env)
+    paths = [entry[0] for entry in loaded]
+    assert not [p for p in paths if p == env or p.startswith(env + "/")]
+    assert not [p for p in paths if "/bwstack-serveplan-" in p], "the run's own folder"
+    assert any(p.endswith("/json/__init__.py") for p in paths), "the base interpreter's standard library"
+    assert sealed.loaded_changed(loaded, "SGLang's planner") is None

@@ -61,6 +61,34 @@ def test_a_waived_check_is_listed_as_skipped_with_the_reason(stack):
         assert checks[name]["message"] == "waived by the operator: no toolkit in this fixture"
 
 
+def test_a_run_whose_every_check_was_waived_is_not_a_pass(stack):
+    """`--skip e=x` waives every check whose name holds an "e": nothing was verified, which is not a pass."""
+    stack.build("fixture-new", check=True)
+    result = stack.run("verify", "--no-runtime", "--skip", "e=x")
+    assert result.returncode == 1, result.stdout
+    assert " 0 passed, 0 failed" in result.stdout
+    assert "nothing was verified: every check was skipped or waived (not a pass)" in result.stdout
+
+
+def test_gpu_checks_fail_when_the_runtime_saw_fewer_gpus_than_the_driver_lists(stack, tmp_path):
+    """A stand-in nvidia-smi lists one GPU of capability 9.0 that torch cannot see: the matmul and the all-reduce
+    ran on no GPU, which is not a pass, and the capability check fails (it used to skip exactly when it would
+    fail)."""
+    stack.build("fixture-new", check=True)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho '0, NVIDIA H200 (stand-in), 9.0, 580.65, 143771'\n")
+    smi.chmod(0o755)
+    path = f"{bin_dir}:{os.environ['PATH']}"
+    checks = _checks(stack.run("verify", "--json", "--skip", "nvcc=no toolkit", extra_env={"PATH": path}))
+    assert checks["gpus_are_the_profiles_target_capability"]["outcome"] == "failed"
+    assert "9.0 (NVIDIA H200 (stand-in)), not the profile's 12.0" in checks[
+        "gpus_are_the_profiles_target_capability"]["message"]  # fmt: skip
+    for name in ("matmul_is_correct_on_every_gpu", "nccl_allreduce_across_all_gpus_gives_the_right_sum"):
+        assert checks[name]["outcome"] in ("failed", "error"), (name, checks[name])
+
+
 def test_verify_runs_through_an_ansible_inventory_with_the_provision_spelling(stack, tmp_path):
     stack.build("fixture-new", check=True)
     inventory = tmp_path / "hosts.ini"

@@ -107,9 +107,11 @@ class HostReport:
 
     @property
     def ok(self) -> bool:
+        """Nothing failed and something was verified: a run whose every check was skipped or waived (`--skip e=x`
+        matches every name) proves nothing about the host."""
         return (
             self.unavailable is None
-            and bool(self.checks)
+            and any(r.outcome == "passed" for r in self.checks)
             and not any(r.outcome in ("failed", "error") for r in self.checks)
         )
 
@@ -477,6 +479,8 @@ def render(items: Sequence[CheckResult] | Sequence[HostReport]) -> str:
         lines.append(
             f"  {counts['passed']} passed, {counts['failed'] + counts['error']} failed, {counts['skipped']} skipped"
         )
+        if rep.checks and not counts["passed"] and not counts["failed"] + counts["error"]:
+            lines.append("  nothing was verified: every check was skipped or waived (not a pass)")
     return "\n".join(lines)
 
 

@@ -10,8 +10,10 @@ start-up, fact gathering, module transfer and per-task cost.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import stat
 import sys
 import threading
 import time
@@ -19,6 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+
+from bwstack.probe import pathtrust
+from bwstack.store.layout import setting
 
 # (role, words in the task name) -> phase; the first match wins; "" matches any role / any name.
 PHASES: tuple[tuple[str, str, str], ...] = (
@@ -244,7 +249,7 @@ class PhaseReport:
 
 def log_dir() -> Path:
     """$BWSTACK_LOG_DIR, else /var/log/bwstack as root, else ~/.local/state/bwstack/log."""
-    given = os.environ.get("BWSTACK_LOG_DIR", "").strip()
+    given = setting(None, "BWSTACK_LOG_DIR")  # an empty value is refused, not replaced by the default
     if given:
         return Path(given)
     if os.geteuid() == 0:
@@ -254,21 +259,29 @@ def log_dir() -> Path:
 
 
 def new_log(what: str) -> Path:
-    """A new log file (the last LOG_KEEP of each kind are kept); in the temporary directory when the log
-    directory cannot be written."""
+    """A new log file, 0600 (the last LOG_KEEP of each kind are kept); in the temporary directory (a new file of
+    a random name) when the log directory cannot be written or others could write it: they could put a link under
+    the log's name, or take the file away while Ansible's output goes into it."""
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     name = f"{what}-{stamp}-{os.getpid()}.log"
+    directory = log_dir()
     try:
-        directory = log_dir()
         directory.mkdir(parents=True, exist_ok=True)
+        if pathtrust.folder_open_to_others(directory):
+            raise PermissionError(f"{directory} is open to others")
         path = directory / name
-        path.touch(mode=0o600)
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
     except OSError:
         import tempfile
 
-        return Path(tempfile.mkstemp(prefix=f"bwstack-{what}-", suffix=".log")[1])
+        fd, fallback = tempfile.mkstemp(prefix=f"bwstack-{what}-", suffix=".log")
+        os.close(fd)
+        return Path(fallback)
     for stale in sorted(directory.glob(f"{what}-*.log"))[:-LOG_KEEP]:
-        stale.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            st = os.lstat(stale)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():  # bwstack's own logs, not a shared folder's
+                stale.unlink()
     return path
 
 

@@ -50,6 +50,14 @@ def run(cmd: list[str], timeout: int = 120, env: Mapping[str, str] | None = None
     return out.returncode, out.stdout, out.stderr
 
 
+def private_folder(parent: Path) -> str:
+    """A new folder `tmp` in `parent` (a run's own temporary folder) for an env's interpreter to use as its
+    TMPDIR: what the interpreter leaves there goes with the run's folder, not into the shared /tmp."""
+    folder = parent / "tmp"
+    folder.mkdir(mode=0o700)
+    return str(folder)
+
+
 def with_library_dir(env: Mapping[str, str], folder: str | os.PathLike) -> dict[str, str]:
     """`env` with `folder` searched first for shared libraries. No empty entry is left (it would mean the working
     directory) when there was no library path before."""
@@ -57,9 +65,16 @@ def with_library_dir(env: Mapping[str, str], folder: str | os.PathLike) -> dict[
     return {**env, "LD_LIBRARY_PATH": f"{folder}:{before}" if before else str(folder)}
 
 
+INCLUDE = "# bwstack-include: "  # a script line naming another probe/scripts file whose text goes there
+
+
 def script_source(name: str) -> str:
-    """The text of probe/scripts/<name>.py (read through importlib.resources: the probe may be a zipapp)."""
-    return resources.files("bwstack.probe.scripts").joinpath(f"{name}.py").read_text(encoding="utf-8")
+    """The text of probe/scripts/<name>.py (read through importlib.resources: the probe may be a zipapp), with
+    the text of each script it includes (a line `# bwstack-include: NAME`) in place of that line: a script runs
+    as one file in the env's interpreter, where nothing of bwstack can be imported."""
+    text = resources.files("bwstack.probe.scripts").joinpath(f"{name}.py").read_text(encoding="utf-8")
+    lines = text.splitlines(keepends=True)
+    return "".join(script_source(line[len(INCLUDE) :].strip()) if line.startswith(INCLUDE) else line for line in lines)
 
 
 def run_script(

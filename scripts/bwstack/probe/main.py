@@ -561,18 +561,19 @@ def _import_all(python: str, statements: dict[str, str], env: dict, inside: list
     return ImportRun(results, None)
 
 
-def _union(first: list, second: list) -> list:
-    """Both interpreters' loaded files, each entry once (a file whose stamp differs between them is kept twice: it
-    changed between the runs, and no later verify finds both)."""
-    out = list(first)
-    out += [entry for entry in second if entry not in first]
-    return out
-
-
 def import_facts(env: Path, sp: Path, gpu_present: bool, stand_in: StandInLibcuda | None = None) -> ImportRun:
+    with tempfile.TemporaryDirectory(prefix="bwstack-imports-") as folder:
+        # The interpreters' TMPDIR: torch writes a module into a new folder of it on import, which their skipped
+        # teardown would leave in /tmp on every run. It goes with this folder, and is not what results depend on.
+        base = interp.clean_env({"TMPDIR": interp.private_folder(Path(folder))})
+        inside = sorted({str(env), os.path.realpath(env), folder, os.path.realpath(folder)})
+        return _import_facts(env, sp, gpu_present, stand_in, base, inside)
+
+
+def _import_facts(
+    env: Path, sp: Path, gpu_present: bool, stand_in: StandInLibcuda | None, base: dict, inside: list[str]
+) -> ImportRun:
     python = str(env / "bin" / "python")
-    base = interp.clean_env()
-    inside = sorted({str(env), os.path.realpath(env)})
     results: dict = {m: {"installed": False} for m in IMPORTS if not (sp / m).is_dir()}
     wanted = {m: stmt for m, stmt in IMPORTS.items() if m not in results}
     first = _import_all(python, wanted, base, inside) if wanted else ImportRun({}, [])
@@ -599,7 +600,7 @@ def import_facts(env: Path, sp: Path, gpu_present: bool, stand_in: StandInLibcud
                 # The stand-in is built afresh each run (from the compiler, which the results' key names).
                 stub = [str(stub_dir), os.path.realpath(stub_dir)]
                 again = _import_all(python, {m: IMPORTS[m] for m in blocked}, env_stub, [*inside, *stub])
-                loaded = None if loaded is None or again.loaded is None else _union(loaded, again.loaded)
+                loaded = sealed.union_loaded(loaded, again.loaded)
                 for module, outcome in again.results.items():
                     results[module]["with_stub_libcuda"] = {
                         "ok": outcome["ok"],
@@ -700,7 +701,7 @@ def collect(
     gpu_key = _gpu_key(facts["gpu"])
     # The generation is as sealed whenever its facts loaded, and also when only the host moved since (every result
     # of running it is keyed by the host as it is now): its results are reused and kept either way.
-    reusable = static is not None or why == sealed.HOST_CHANGED
+    reusable = static is not None or why in sealed.READ_AGAIN
     import_key = sealed.derived_key(env, "imports", gpu_key) if reusable else None
     reused = None
     if imports and reusable:
@@ -734,7 +735,10 @@ def collect(
                 from bwstack.probe.serveplan import node
 
                 plan_key = node.plan_key(env, serve_plan, gpu_key, facts["cuda"]) if reusable else None
-                facts["serve_plan"] = sealed.load_derived(env, plan_key)
+                recorded = node.recorded_plan(env, plan_key)
+                facts["serve_plan"] = recorded.plan
+                if recorded.moved is not None:  # a library or module SGLang loaded changed: it plans again
+                    facts["facts_source"]["serve_plan_again"] = recorded.moved
                 if facts["serve_plan"] is None:
                     device = node.resolve_device(serve_plan["device"], env)
                     if node.needs_stand_in(device):
@@ -755,8 +759,7 @@ def collect(
                 if reusable:
                     sealed.save_static_again(env, capability, {**facts["env"], **facts})
             if planning is not None:
-                facts["serve_plan"] = planning.result().as_dict()
-                sealed.save_derived(env, plan_key, facts["serve_plan"])
+                facts["serve_plan"] = node.record_plan(env, plan_key, planning.result())
                 lap("serve-plan (rest)")
             if pending is not None:
                 run = pending.result()

@@ -235,6 +235,7 @@ def write_static(gen_dir: Path, env: Path, capability: str, facts: dict) -> Path
         "tree": {"method": method, "digest": stamp},
         "capability": capability,
         "host": host_fingerprint(env),
+        "probe": probe_digest(),
         "facts": {k: facts[k] for k in STATIC_KEYS if k in facts},
     }
     path = Path(gen_dir) / FACTS_NAME
@@ -270,19 +271,51 @@ def load_static(env: Path, capability: str) -> tuple[dict | None, str]:
         if changed:
             return None, changed
         again = None
-        if doc.get("host") != host_fingerprint(env):
+        moved = HOST_CHANGED if doc.get("host") != host_fingerprint(env) else None
+        if moved is None and doc.get("probe") != probe_digest():
+            moved = PROBE_CHANGED
+        if moved is not None:
             again = load_derived(env, derived_key(env, "static-facts", capability))
             if not (isinstance(again, dict) and isinstance(again.get("facts"), dict)):
-                return None, HOST_CHANGED
+                return None, moved
             doc = again
         text = _relocate(json.dumps(doc["facts"]), doc["env_prefix"], str(env))
-        note = " (its facts read again on this host, which changed since)" if again is not None else ""
+        note = ""
+        if again is not None:
+            what = "on this host" if moved == HOST_CHANGED else "by this bwstack's probe"
+            note = f" (its facts read again {what}, which changed since)"
         return json.loads(text), f"generation {gen.name} unchanged since it was sealed{note}"
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return None, f"{FACTS_NAME} unreadable ({exc})"
 
 
 HOST_CHANGED = "the host's libraries or interpreter changed since the facts were computed"
+PROBE_CHANGED = "bwstack's probe changed since the facts were computed"
+# The generation is as sealed, only what reads it moved: its facts are read again and kept in the store's cache.
+READ_AGAIN = (HOST_CHANGED, PROBE_CHANGED)
+
+
+@functools.cache
+def probe_digest() -> str:
+    """A digest of the probe's own files (this package: its modules, the in-env scripts, the model references).
+    Every result a verify reuses was computed by some version of this code: a result from another version (a
+    check fixed or widened since) is computed again, not reused."""
+    from importlib import resources
+
+    digest = hashlib.sha256()
+
+    def add(folder, prefix: str) -> None:
+        for child in sorted(folder.iterdir(), key=lambda c: c.name):
+            if child.name == "__pycache__" or child.name.endswith(".pyc"):
+                continue
+            if child.is_dir():
+                add(child, f"{prefix}{child.name}/")
+            else:
+                data = child.read_bytes()
+                digest.update(f"{prefix}{child.name}\0{len(data)}\0".encode() + data)
+
+    add(resources.files("bwstack.probe"), "")
+    return digest.hexdigest()
 
 
 def save_static_again(env: Path, capability: str, facts: dict) -> None:
@@ -385,7 +418,10 @@ def basis(env: Path) -> list | None:
     if gen is None:
         return None
     compiler = [stat_key(p) for p in ("/usr/bin/gcc", "/usr/bin/cc")]
-    return [gen.name, stat_key(str(gen / MANIFEST_NAME)), host_fingerprint(env), compiler, environment_key()]
+    return [
+        gen.name, stat_key(str(gen / MANIFEST_NAME)), host_fingerprint(env), compiler, environment_key(),
+        probe_digest(),
+    ]  # fmt: skip
 
 
 def basis_still_holds(env: Path, given: object) -> bool:
@@ -455,33 +491,42 @@ def save_derived(env: Path, key: str | None, value: object) -> None:
         return
 
 
-def loaded_changed(loaded: object) -> str | None:
+def union_loaded(first: list | None, second: list | None) -> list | None:
+    """Two interpreters' loaded lists (loaded_changed's), each entry once (a file whose stamp differs between them
+    is kept twice: it changed between the runs, and no later verify finds both); None when either is not known."""
+    if first is None or second is None:
+        return None
+    return [*first, *(entry for entry in second if entry not in first)]
+
+
+def loaded_changed(loaded: object, ran: str = "the imports") -> str | None:
     """None when everything an env's interpreter depended on outside the env while importing (the import script's
     list) is as it was; else what moved. Each entry: [path, dev, ino, size, mtime_ns, ctime_ns] of a file it
     loaded or a folder it searched, [path, None] of a path that was absent (a bytecode file never written, a
     sys.path entry that does not exist), or [path] of a file replaced while it was mapped. The host fingerprint
     covers the library folders, which an in-place `cp` over a library leaves as they were: the library's own stat
-    does not (the copy moves its mtime and ctime); a module dropped into a folder on sys.path moves the folder's."""
+    does not (the copy moves its mtime and ctime); a module dropped into a folder on sys.path moves the folder's.
+    `ran`: what ran, for the message (the imports, SGLang's planner)."""
     if not isinstance(loaded, list):
-        return "the files the imports loaded were not recorded"
+        return f"the files {ran} loaded were not recorded"
     for entry in loaded:
         if not (isinstance(entry, list) and entry and isinstance(entry[0], str)):
-            return "the files the imports loaded were recorded malformed"
+            return f"the files {ran} loaded were recorded malformed"
         path = entry[0]
         if len(entry) == 1:
-            return f"{path} was replaced while the imports ran"
+            return f"{path} was replaced while {ran} ran"
         try:
             st = os.stat(path)
         except FileNotFoundError:
             if entry[1:] == [None]:
                 continue
-            return f"{path} is gone since the imports ran"
+            return f"{path} is gone since {ran} ran"
         except OSError:
             return f"{path} cannot be checked"
         if entry[1:] == [None]:
-            return f"{path} appeared since the imports ran"
+            return f"{path} appeared since {ran} ran"
         if [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns] != entry[1:]:
-            return f"{path} changed since the imports ran"
+            return f"{path} changed since {ran} ran"
     return None
 
 

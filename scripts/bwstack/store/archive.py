@@ -22,6 +22,8 @@ manifest byte for byte; the generation's verification state is computed here, ne
 from __future__ import annotations
 
 import errno
+import fcntl
+import glob
 import hashlib
 import io
 import json
@@ -82,6 +84,29 @@ class _HashingWriter(io.RawIOBase):
         return self.handle.write(data)
 
 
+def _remove_abandoned_partials(path: Path) -> None:
+    """The partial archives a killed run left beside `path` (write_archive's temporary names): regular files of
+    this user's that no run holds locked any more. Opened without following a link and removed only while the name
+    is still that file: the folder may be a share others can write."""
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.partial"):
+        try:
+            fd = os.open(stale, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a run still writing it holds the lock: kept
+            now = os.lstat(stale)
+            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                os.unlink(stale)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+
+
 def write_archive(store: Store, gen: Generation, path: Path, level: int = 3) -> dict:
     """Stream the generation as tar + zstd to `path`, with `path`.sha256 beside it. All or nothing. Both are
     written as new files (mkstemp) renamed into place: the folder may be a NAS share others can write, and a link
@@ -90,6 +115,7 @@ def write_archive(store: Store, gen: Generation, path: Path, level: int = 3) -> 
     if path.is_dir():
         raise UsageError(f"--archive {path}: a directory; name the archive file to write")
     started = time.perf_counter()
+    _remove_abandoned_partials(path)
     try:
         fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
     except OSError as exc:
@@ -99,6 +125,7 @@ def write_archive(store: Store, gen: Generation, path: Path, level: int = 3) -> 
     partial: Path | None = Path(name)
     try:
         with os.fdopen(fd, "wb") as raw:
+            fcntl.flock(raw.fileno(), fcntl.LOCK_EX)  # held while it is written: not abandoned (below)
             os.fchmod(raw.fileno(), 0o644)
             hashing = _HashingWriter(raw)
             compressor = zstandard.ZstdCompressor(level=level, threads=-1)

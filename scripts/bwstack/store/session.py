@@ -14,9 +14,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from bwstack.errors import UsageError
 from bwstack.fsutil import atomic_symlink
 from bwstack.store.generations import Store
 from bwstack.store.layout import Layout, check_cache
+from bwstack.store.runlock import NAME as LOCK_NAME
 from bwstack.store.runlock import RunLock
 from bwstack.store.tree import exchange, remove_tree
 
@@ -27,11 +29,40 @@ Log = Callable[[str], None]
 def open_store(layout: Layout, log: Log = print) -> Iterator[Store]:
     """The store at `layout`, locked for this run, prepared, with any interrupted adoption finished."""
     check_cache(layout)
+    check_store_root(layout)
     with RunLock(layout.root):
         store = Store(layout, log)
         store.prepare()
         finish_interrupted_adoption(store, log)
         yield store
+
+
+# What a store's root holds (bwstack puts each there: the node's tool, lock and receipt, the default cache, ...).
+STORE_NAMES = frozenset(
+    {"generations", LOCK_NAME, "current", "cache", "history.jsonl", "tool", "dist", "stack.lock.yaml",
+     "provisioned.json", "waivers.json"}
+)  # fmt: skip
+
+
+def check_store_root(layout: Layout) -> None:
+    """The store's root is new, empty or a store already (it holds what bwstack puts in one). Opening a store
+    makes the root 0755 and leaves its lock and generations/ there: a mistyped --root naming a folder of other
+    files (a home, /tmp) would be opened up to everyone and left holding the store's files."""
+    root = layout.root
+    try:
+        entries = os.listdir(root)
+    except FileNotFoundError:
+        return
+    except NotADirectoryError:
+        raise UsageError(f"store root {root} is not a directory") from None
+    except OSError as exc:
+        raise UsageError(f"store root {root}: {exc.strerror or exc}") from None
+    if entries and STORE_NAMES.isdisjoint(entries):
+        shown = ", ".join(sorted(entries)[:3]) + (", ..." if len(entries) > 3 else "")
+        raise UsageError(
+            f"store root {root} holds other files ({shown}) and nothing of a bwstack store: name a new or empty "
+            f"folder (--root)"
+        )
 
 
 def swap_in(real_dir: Path, placeholder: Path, log: Log) -> None:

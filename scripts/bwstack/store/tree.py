@@ -63,7 +63,12 @@ def take_ownership(env: Path) -> list[str]:
 
 def remove_tree(path: Path) -> None:
     def _writable(func, p, _exc):  # sealed files sit in directories we may have made read-only
-        os.chmod(os.path.dirname(p), 0o755)
+        # The folder itself, never what a link swapped in at its name leads to.
+        fd = os.open(os.path.dirname(p), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.fchmod(fd, 0o755)
+        finally:
+            os.close(fd)
         func(p)
 
     try:

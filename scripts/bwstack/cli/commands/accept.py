@@ -35,7 +35,12 @@ def add_options(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="read the static facts from a recorded machine description instead of this machine (no runtime)",
     )
-    p.add_argument("--record", metavar="DIR", help="also write this machine's facts as a recorded description into DIR")
+    p.add_argument(
+        "--record",
+        metavar="DIR",
+        type=options.plain_path,
+        help="also write this machine's facts as a recorded description into DIR",
+    )
     options.add_json(p, help="the report as JSON on stdout (the verdict line on stderr)")
 
 

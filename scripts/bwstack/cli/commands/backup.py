@@ -15,7 +15,9 @@ HELP = "capture the active env as a verified generation"
 
 def add_options(p: argparse.ArgumentParser) -> None:
     options.add_node(p)
-    p.add_argument("--archive", help="also write an off-node archive (tar + zstd, with .sha256)")
+    p.add_argument(
+        "--archive", type=options.plain_path, help="also write an off-node archive (tar + zstd, with .sha256)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ from bwstack.bench import BENCHES
 from bwstack.cli import options
 from bwstack.cli.console import Console
 from bwstack.errors import UsageError
+from bwstack.store.layout import check_private_folder
 
 NAME = "bench"
 HELP = "the performance figures (P1-P7) against their anchors, in one run"
@@ -18,7 +19,12 @@ HELP = "the performance figures (P1-P7) against their anchors, in one run"
 def add_options(p: argparse.ArgumentParser) -> None:
     options.add_profile(p, help="profile to benchmark (default cu128: the one PyPI serves)")
     p.set_defaults(profile="cu128")
-    p.add_argument("--work", default="/var/tmp/bwstack-bench", help="scratch directory (tens of GB for cu128)")
+    p.add_argument(
+        "--work",
+        type=options.plain_path,
+        default="/var/tmp/bwstack-bench",
+        help="scratch directory (tens of GB for cu128)",
+    )
     p.add_argument("--runs", type=options.positive_int, default=3)
     p.add_argument("--quick", action="store_true", help="a small real closure: checks the harness, not speed")
     p.add_argument("--only", type=_benches, help=f"comma list of {', '.join(BENCHES)}, e.g. P1,P3")
@@ -36,13 +42,23 @@ def _benches(value: str) -> list[str]:
 
 
 def _scratch(work: str) -> None:
-    """The scratch directory can be made and written, before any bench spends minutes."""
+    """The scratch directory can be made and written, and is this user's alone, before any bench spends minutes.
+    The benches write a lock, requirement files and stores there, and run what they put there as this user
+    (root): a folder others can write (one they made first in /var/tmp, the default's parent) could swap any of
+    it. Checked before it is made (nothing is made under a folder others can write) and again after (a folder of
+    that name someone else made in the meantime is theirs)."""
+    folder = Path(work)
+    if not os.path.lexists(folder):
+        check_private_folder(folder, "--work", "--work")
     try:
-        Path(work).mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     except FileExistsError:
         raise UsageError(f"--work {work}: not a directory") from None
     except OSError as exc:
         raise UsageError(f"--work {work}: cannot be created ({exc.strerror or exc})") from None
+    if not folder.is_dir():
+        raise UsageError(f"--work {work}: not a directory")
+    check_private_folder(folder, "--work", "--work")
     if not os.access(work, os.W_OK | os.X_OK):
         raise UsageError(f"--work {work}: not writable")
 

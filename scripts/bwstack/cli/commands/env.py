@@ -17,11 +17,15 @@ def add_options(p: argparse.ArgumentParser) -> None:
     install = sub.add_parser("install", help="install a rendered requirement file into an env")
     options.add_sources(install, python=True)
     install.add_argument("--requirements", type=options.existing_file, required=True)
-    install.add_argument("--into", required=True)
+    install.add_argument("--into", required=True, type=options.plain_path)
     install.add_argument("--python-version", default="3.12")
     install.add_argument("--glibc", type=int, default=28, help="manylinux_2_N of the target (default 28)")
-    install.add_argument("--store", help="wheel store, a folder only this user can write (default: bwstack's own)")
-    install.add_argument("--uv-cache")
+    install.add_argument(
+        "--store",
+        type=options.plain_path,
+        help="wheel store, a folder only this user can write (default: bwstack's own)",
+    )
+    install.add_argument("--uv-cache", type=options.plain_path)
     install.add_argument("--link-mode", default="copy", choices=["copy", "hardlink"])
 
 

@@ -16,7 +16,7 @@ HELP = "SGLang SM120 patches: apply, revert or show their state"
 
 def add_env_selection(p: argparse.ArgumentParser) -> None:
     """--env, else the active ml-env of the store the (hidden) store options name."""
-    p.add_argument("--env", help="the env (default: the active ml-env)")
+    p.add_argument("--env", type=options.plain_path, help="the env (default: the active ml-env)")
     options.add_store(p, hidden=True)
     options.add_json(p)
 

@@ -14,7 +14,7 @@ HELP = "what provisioning would change in an env (missing, extra, version, hash)
 
 def add_options(p: argparse.ArgumentParser) -> None:
     options.add_profile(p, help=None)
-    p.add_argument("--env", help="the env to compare (default: the active ml-env)")
+    p.add_argument("--env", type=options.plain_path, help="the env to compare (default: the active ml-env)")
     options.add_store(p, cuda_link=False)
     options.add_json(p)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from bwstack.cli import options
 from bwstack.cli.console import Console
 from bwstack.errors import UsageError
 
@@ -12,7 +13,7 @@ HELP = "write the probe zipapp (what the playbooks ship to nodes)"
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, type=options.plain_path)
 
 
 def run(args: argparse.Namespace) -> int:

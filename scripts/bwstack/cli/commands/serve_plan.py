@@ -23,7 +23,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", help="the speculative draft model (directory or reference name)")
     p.add_argument("--list-models", action="store_true", help="list the reference configs and where they come from")
     options.add_profile(p, help="the lock profile whose hardware target is planned for (default: the lock's)")
-    p.add_argument("--env", help="the env whose SGLang decides (default: the active ml-env)")
+    p.add_argument("--env", type=options.plain_path, help="the env whose SGLang decides (default: the active ml-env)")
     options.add_store(p, cuda_link=False, hidden=True)
     p.add_argument(
         "--capability",

@@ -20,10 +20,10 @@ TARGET_HELP = (
 def add_options(p: argparse.ArgumentParser) -> None:
     options.add_target(p, default="local://", help=TARGET_HELP)
     options.add_profile(p, help="profile to check against (default: the env's own)")
-    p.add_argument("--env", help="env path on the targets (default: their ml-env)")
+    p.add_argument("--env", type=options.plain_path, help="env path on the targets (default: their ml-env)")
     p.add_argument("--capability", type=options.capability, help="target GPU capability (default: the profile's)")
     p.add_argument("--no-runtime", action="store_true", help="skip the GPU runtime probes")
-    p.add_argument("--facts-dir", help="also write each host's probe facts as JSON here")
+    p.add_argument("--facts-dir", type=options.plain_path, help="also write each host's probe facts as JSON here")
     options.add_waivers(p)
     p.add_argument(
         "--no-remembered-waivers",

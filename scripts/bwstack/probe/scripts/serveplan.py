@@ -14,7 +14,8 @@ observed is reported as not observed, with the reason.
 
 Request (argv[1], JSON): {"device": {"mode": "simulated"|"real", "capability", "count", "memory_mib", "name",
 "interconnect"}, "requests": [{"id", "model_path", "draft_path", "tp", "speculative_algorithm", "quantization",
-"attention_backend", "moe_runner_backend", "server_args": {...}}]}; the caller sets the environment.
+"attention_backend", "moe_runner_backend", "server_args": {...}}], "inside": [folders whose files the loaded
+list leaves out]}; the caller sets the environment.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import re
 import sys
 import traceback
 from types import SimpleNamespace
+
+# bwstack-include: loaded
 
 MARKER = "BWSTACK-SERVEPLAN "
 SCHEMA = 1
@@ -910,6 +913,10 @@ def main(argv: list[str]) -> int:
             result["observations"].append(observer.observe(request))
         except Exception as exc:  # one model's failure must not hide the others
             result["observations"].append({"id": request.get("id"), "crashed": _error(exc), "steps": {}})
+    # What the plans depended on outside the env (and the run's own folders): a verify reuses them only while
+    # all of it is as it was, as it does the import checks' outcome.
+    inside = [p for p in job.get("inside") or [] if isinstance(p, str) and p]
+    result["loaded"] = loaded(inside)  # noqa: F821 (included)
     sys.stdout.write(MARKER + json.dumps(result, default=str) + "\n")
     sys.stdout.flush()
     return 0

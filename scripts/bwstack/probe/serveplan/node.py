@@ -67,6 +67,9 @@ class Observation:
     kernels: dict = field(default_factory=dict)
     features: dict = field(default_factory=dict)
     error: str | None = None
+    # What the env's interpreters loaded outside the env (sealed.loaded_changed's list; None: not known). Kept
+    # with a recorded plan, never sent to the controller: it is the condition for reusing the plan.
+    loaded: list | None = None
 
     def as_dict(self) -> dict:
         return {
@@ -199,18 +202,26 @@ def run_inenv(
                     notes.append("no stand-in libcuda.so.1 (no C compiler, or nothing here links libcuda)")
                 else:
                     notes.append("no NVIDIA driver on this host: sgl-kernel loaded against a stand-in libcuda.so.1")
-        base_env = _child_env(dict(os.environ), bin_dir, stub_dir)
+        # Its own temporary folder, removed with this run's: torch writes a module into a new folder of TMPDIR on
+        # import, which the interpreter's skipped teardown (_leave) would leave in /tmp on every run.
+        base_env = {**_child_env(dict(os.environ), bin_dir, stub_dir), "TMPDIR": interp.private_folder(tmpdir)}
         device_json = {"mode": device.mode, **{k: v for k, v in asdict(device).items() if k != "mode"}}
+        # The env (its manifest covers it) and this run's own folders (gone when it ends) are not what a recorded
+        # plan depends on.
+        inside = sorted({str(env), os.path.realpath(env), tmp, os.path.realpath(tmp)} | _folders(stub_dir))
         groups: dict[str, list[int]] = {}
         for index, request in enumerate(requests):
             groups.setdefault(_env_key(request), []).append(index)
         meta: dict | None = None
         errors: list[str] = []
+        loaded: list | None = []
         observations: list[dict | None] = [None] * len(jobs)
         for key, indexes in groups.items():
             extra = dict(json.loads(key))
-            job = {"device": device_json, "requests": [jobs[i] for i in indexes]}
+            job = {"device": device_json, "requests": [jobs[i] for i in indexes], "inside": inside}
             result = _run_child(python, script, job, {**base_env, **extra}, tmp, timeout)
+            found = result.pop("loaded", None)
+            loaded = sealed.union_loaded(loaded, found if isinstance(found, list) else None)
             if result.get("error"):
                 errors.append(result["error"])
                 for i in indexes:
@@ -226,7 +237,12 @@ def run_inenv(
             return {"error": errors[0] if errors else "no requests"}
         meta["observations"] = observations
         meta["notes"] = notes
+        meta["loaded"] = loaded
         return meta
+
+
+def _folders(path: Path | None) -> set[str]:
+    return {str(path), os.path.realpath(path)} if path is not None else set()
 
 
 # ------------------------------------------------------------------------------------------------ kernels
@@ -506,6 +522,36 @@ def plan_key(env: Path | None, job: dict, gpu: object, cuda: object, base: list 
     return sealed.derived_key(env, "serve-plan", job, gpu, cuda, base=base)
 
 
+@dataclass(frozen=True)
+class Recorded:
+    """A plan kept in the store's verify cache: `plan` as the controller gets it and what its interpreters
+    loaded, when all of that is as it was; else `plan` is None and `moved` says what moved."""
+
+    plan: dict | None
+    loaded: list | None = None
+    moved: str | None = None
+
+
+def recorded_plan(env: Path, key: str | None) -> Recorded:
+    """The plan recorded under `key`, reusable only while everything its interpreters loaded outside the env is
+    as it was (sealed.loaded_changed), as the import checks' outcome is."""
+    doc = sealed.load_derived(env, key)
+    if not isinstance(doc, dict):
+        return Recorded(None)
+    moved = sealed.loaded_changed(doc.get("loaded"), "SGLang's planner")
+    if moved is not None:
+        return Recorded(None, moved=moved)
+    return Recorded({k: v for k, v in doc.items() if k != "loaded"}, doc["loaded"])
+
+
+def record_plan(env: Path, key: str | None, observed: Observation) -> dict:
+    """Keep a plan with what its interpreters loaded (recorded_plan checks it); the plan as the controller gets
+    it."""
+    plan = observed.as_dict()
+    sealed.save_derived(env, key, {**plan, "loaded": observed.loaded})
+    return plan
+
+
 def _beside_observations(inenv: dict) -> dict:
     return {k: v for k, v in inenv.items() if k != "observations"}
 
@@ -545,7 +591,14 @@ def fold_into(recorded: object, answer: object, own: int) -> dict | None:
             found.append(observed)
     if len(requests) > own + HINTS_KEPT:
         return None
-    return {**recorded, "requests": requests, "inenv": {**inenv, "observations": found}}
+    # Both interpreters' loaded files: the folded plan holds only while what either loaded is as it was.
+    loaded = sealed.union_loaded(_loaded_list(recorded), _loaded_list(answer))
+    return {**recorded, "requests": requests, "inenv": {**inenv, "observations": found}, "loaded": loaded}
+
+
+def _loaded_list(doc: dict) -> list | None:
+    found = doc.get("loaded")
+    return found if isinstance(found, list) else None
 
 
 def remember_asked(env: Path, job: dict, requests: list[dict]) -> None:
@@ -577,6 +630,7 @@ def observe(
         result.error = f"no env at {env}: no bin/python"
         return result
     inenv = run_inenv(env, device, list(requests), stand_in=stand_in)
+    result.loaded = inenv.pop("loaded", None)
     result.inenv = inenv
     if inenv.get("error"):
         result.error = inenv["error"]
@@ -630,20 +684,22 @@ def main(argv: list[str]) -> int:
         cuda = probe.cuda_facts(env, str(job["device"].get("capability", "")), reuse=True)
         gpu = probe._gpu_key(probe.gpu_facts())
         key = sealed.derived_key(env, "serve-plan-job", job, gpu, cuda)
-    result = sealed.load_derived(env, key)
+    recorded = recorded_plan(env, key)
+    result, loaded = recorded.plan, recorded.loaded
     if result is None:
-        result = observe(env, resolve_device(job["device"], env), job["requests"], cuda=cuda).as_dict()
+        observed = observe(env, resolve_device(job["device"], env), job["requests"], cuda=cuda)
         if key is not None and sealed.unchanged_generation(env, host=False) is not None:
             # Changed since the basis was taken (handed on by the verify, or checked above): this plan is of
             # another tree than the sealed one its key names, so it is neither kept nor folded.
             key = None
-        sealed.save_derived(env, key, result)
+        result, loaded = record_plan(env, key, observed), observed.loaded
     if isinstance(asked_after, dict):
         remember_asked(env, asked_after, job["requests"])
-        if key is not None:  # the generation is as sealed: the answer holds for the verify job's plan too
+        if key is not None and loaded is not None:  # as sealed: the answer holds for the verify job's plan too
             job_key = plan_key(env, asked_after, gpu, cuda, base=base)  # base: the verify's own, when it gave one
             own = asked_after.get("requests")
-            folded = fold_into(sealed.load_derived(env, job_key), result, len(own) if isinstance(own, list) else 0)
+            answer = {**result, "loaded": loaded}
+            folded = fold_into(sealed.load_derived(env, job_key), answer, len(own) if isinstance(own, list) else 0)
             if folded is not None:
                 sealed.save_derived(env, job_key, folded)
     sys.stdout.write(json.dumps(result, default=str) + "\n")

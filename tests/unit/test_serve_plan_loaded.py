@@ -1,0 +1,150 @@
+"""A verify reuses SGLang's recorded plan of a sealed, unchanged generation only while everything the planner's
+interpreter loaded from outside the env is as it was (the rule the import checks' outcome already follows): a
+system library copied over in place, a module dropped into a folder on sys.path, a new base interpreter make it
+plan again. The planner's interpreters get a temporary folder of their own, so nothing they leave behind lands in
+the shared /tmp, and nothing there becomes something a plan depends on.
+
+The store is a TEST FIXTURE stack's. SGLang's interpreter is stood in for where it would run (node.run_inenv), or
+is a shell script posing as the env's python; the real planner's list is checked in the slow tier
+(test_serveplan_truth.py)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+from helpers import needs_py312
+
+from bwstack.probe import main as probe
+from bwstack.probe import sealed
+from bwstack.probe.serveplan import node
+
+CAPABILITY = "12.0"  # the fixture target's
+DEVICE = {"mode": "simulated", "capability": "12.0", "count": 8, "memory_mib": 98304, "name": "RTX",
+          "interconnect": "pcie"}  # fmt: skip
+JOB = {"device": DEVICE, "requests": [{"id": "model-0", "model": "llama-3.1-8b-instruct", "tp": 8}]}
+
+
+def _stamp(path: Path) -> list:
+    st = os.stat(path)
+    return [str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+@pytest.fixture
+def built(stack):
+    stack.build("fixture-new", check=True)
+    return stack
+
+
+@pytest.fixture
+def system_library(tmp_path: Path) -> Path:
+    """A file outside the env that the stood-in planner says it loaded (a system library, in the real one)."""
+    lib = tmp_path / "libsystem.so.1"
+    lib.write_bytes(b"\x7fELF the library as the planner loaded it")
+    return lib
+
+
+@pytest.fixture
+def planner(monkeypatch, system_library: Path) -> list[int]:
+    """SGLang's interpreter stood in: each run plans every request and names `system_library` as loaded."""
+    runs: list[int] = []
+
+    def run_inenv(env, device, requests, timeout=1800, stand_in=None):
+        runs.append(len(requests))
+        observations = [{"id": r.get("id"), "steps": {}} for r in requests]
+        return {"schema": 1, "versions": {}, "observations": observations, "loaded": [_stamp(system_library)]}
+
+    monkeypatch.setattr(node, "run_inenv", run_inenv)
+    return runs
+
+
+def _collect(built) -> dict:
+    return probe.collect(built.ml_env, CAPABILITY, runtime=False, imports=False, serve_plan=JOB)
+
+
+@needs_py312
+def test_an_unchanged_generation_reuses_its_plan_while_what_the_planner_loaded_is_unchanged(built, planner):
+    first = _collect(built)
+    again = _collect(built)
+    assert planner == [1]
+    assert again["facts_source"].get("serve_plan") == "recorded", again["facts_source"]
+    assert again["serve_plan"] == first["serve_plan"]
+
+
+@needs_py312
+def test_a_library_the_planner_loaded_copied_over_in_place_makes_it_plan_again(built, planner, system_library):
+    _collect(built)
+    inode = os.stat(system_library).st_ino
+    with open(system_library, "r+b") as lib:  # in place: the same inode, its folder's listing unchanged
+        lib.write(b"\x7fELF another library, same name")
+    assert os.stat(system_library).st_ino == inode
+    again = _collect(built)
+    assert planner == [1, 1]
+    assert again["facts_source"]["serve_plan_again"] == f"{system_library} changed since SGLang's planner ran"
+    assert _collect(built)["facts_source"].get("serve_plan") == "recorded"  # recorded again, as it is now
+
+
+@needs_py312
+def test_the_controller_gets_the_plan_without_the_list_of_loaded_files(built, planner):
+    for facts in (_collect(built), _collect(built)):
+        assert "loaded" not in facts["serve_plan"]
+
+
+@needs_py312
+@pytest.mark.parametrize(
+    ("loaded", "why"),
+    [
+        (None, "the files SGLang's planner loaded were not recorded"),
+        ("not a list", "the files SGLang's planner loaded were not recorded"),
+        ([["/nonexistent/bwstack/libgone.so", 1, 2, 3, 4, 5]], "is gone since SGLang's planner ran"),
+        ([["/lib"]], "was replaced while SGLang's planner ran"),
+    ],
+    ids=["recorded-before-it-was-kept", "damaged", "a-library-gone", "replaced-while-mapped"],
+)
+def test_a_plan_whose_loaded_files_cannot_be_checked_is_not_reused(built, loaded, why):
+    key = sealed.derived_key(built.ml_env, "serve-plan", JOB)
+    sealed.save_derived(built.ml_env, key, {"schema": 1, "requests": JOB["requests"], "loaded": loaded})
+    recorded = node.recorded_plan(built.ml_env, key)
+    assert recorded.plan is None and why in recorded.moved
+
+
+def test_a_folded_plan_depends_on_what_both_interpreters_loaded(system_library, tmp_path):
+    other = tmp_path / "libother.so"
+    other.write_bytes(b"\x7fELF")
+    plan = {"schema": 1, "device": DEVICE, "kernels": {}, "features": {}, "inenv": {"observations": [{}]}}
+    job = {**plan, "requests": [{"id": "model-0", "tp": 8}], "loaded": [_stamp(system_library)]}
+    answer = {**plan, "requests": [{"id": "fix-0", "tp": 4}], "loaded": [_stamp(system_library), _stamp(other)]}
+    folded = node.fold_into(job, answer, own=1)
+    assert folded is not None and folded["loaded"] == [_stamp(system_library), _stamp(other)]
+    unknown = node.fold_into(job, {**answer, "loaded": None}, own=1)
+    assert unknown is not None and unknown["loaded"] is None  # then never reused: recorded_plan plans again
+
+
+def _posing_python(env: Path, record: Path) -> None:
+    """The env's python as a shell script: it notes its TMPDIR and leaves a folder there, as torch does on import
+    (a module written into a new temporary folder, kept by the interpreter's skipped teardown)."""
+    python = env / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\necho "$TMPDIR" >> {record}\nmkdir -p "$(mktemp -d)/left-behind"\n')
+    python.chmod(0o755)
+
+
+@pytest.mark.parametrize("interpreter", ["planner", "imports"])
+def test_an_env_interpreter_leaves_nothing_in_the_shared_temporary_folder(tmp_path, interpreter):
+    env, record = tmp_path / "env", tmp_path / "tmpdirs"
+    _posing_python(env, record)
+    site = env / "lib" / "python3.12" / "site-packages"
+    (site / "torch").mkdir(parents=True)
+    if interpreter == "planner":
+        device = node.Device(node.SIMULATED, "12.0", 8, 98304, "RTX", "pcie")
+        found = node.run_inenv(env, device, [{"id": "m", "model": "llama-3.1-8b-instruct", "tp": 8}])
+        assert "error" in found  # the posing python prints no plan
+    else:
+        probe.import_facts(env, site, gpu_present=True)
+    used = record.read_text().split()
+    shared = os.path.realpath(tempfile.gettempdir())
+    assert used, "the interpreter ran"
+    for folder in used:
+        assert os.path.realpath(folder) != shared and not os.path.exists(folder), folder
