@@ -10,6 +10,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from bwstack.lock.tags import Target
+from bwstack.probe.generation import GenerationFacts
 
 
 def test_every_pinned_package_is_at_the_locked_version(env, profile):
@@ -22,6 +23,23 @@ def test_every_pinned_package_is_at_the_locked_version(env, profile):
     assert not wrong, (
         f"{len(wrong)} pinned package(s) differ from profile {profile.name}: {'; '.join(wrong)}. "
         f"Provision the profile (`bwstack provision --profile {profile.name}`) or check the right profile."
+    )
+
+
+def test_the_generation_was_built_from_this_locks_closure(env, profile):
+    """Versions can match while the wheels differ: a lock whose hashes (or URLs, or toolkit) changed since the env
+    was built describes other files than the ones installed. The generation's record names the lock digest it
+    was built from."""
+    gen = GenerationFacts.from_facts(env.get("generation"))
+    if gen is None:
+        pytest.skip("the env is not a bwstack generation: nothing records what it was built from")
+    if gen.profile != profile.name or gen.lock_digest is None:
+        pytest.skip(f"generation {gen.name} was not built from profile {profile.name} (the version checks judge it)")
+    want = profile.lock_digest()
+    assert gen.lock_digest == want, (
+        f"generation {gen.name} was built from lock digest {gen.lock_digest[:19]}, profile {profile.name} of this "
+        f"lock is {want[:19]}: its wheels, their hashes or its toolkit changed since (`bwstack plan --profile "
+        f"{profile.name}` lists how); provision again to install what the lock says"
     )
 
 

@@ -244,7 +244,8 @@ def test_the_fix_search_probe_on_an_unchanged_generation_folds_its_answer_into_t
     ask = {"device": run["device"], "requests": [run["requests"][2]]}
     # The answer as an earlier identical ask recorded it: the probe takes it from the cache, SGLang does not start.
     answer = {**_split(run, 2), "loaded": []}  # its interpreter loaded nothing outside the env (none to check)
-    sealed.save_derived(env, sealed.derived_key(None, "serve-plan-job", ask, gpu, cuda, base=basis), answer)
+    ask_key = sealed.derived_key(None, "serve-plan-job", ask, gpu, cuda, node.model_folders(ask), base=basis)
+    sealed.save_derived(env, ask_key, answer)
     reuse = {"basis": basis, "gpu": gpu, "cuda": cuda}
     assert node.main(["--env", str(env), json.dumps({**ask, "hint_for": verify_job, "reuse": reuse})]) == 0
     assert json.loads(capsys.readouterr().out)["requests"] == [run["requests"][2]]
@@ -280,6 +281,6 @@ def test_a_plan_observed_after_the_generation_changed_is_kept_under_no_sealed_ke
     reuse = {"basis": basis, "gpu": gpu, "cuda": cuda}
     assert node.main(["--env", str(env), json.dumps({**ask, "hint_for": verify_job, "reuse": reuse})]) == 0
     assert json.loads(capsys.readouterr().out)["requests"] == [run["requests"][2]]
-    ask_key = sealed.derived_key(None, "serve-plan-job", ask, gpu, cuda, base=basis)
+    ask_key = sealed.derived_key(None, "serve-plan-job", ask, gpu, cuda, node.model_folders(ask), base=basis)
     assert sealed.load_derived(env, ask_key) is None
     assert sealed.load_derived(env, job_key) == _split(run, 0)

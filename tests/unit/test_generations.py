@@ -205,7 +205,7 @@ def test_prune_forgets_what_verifies_remembered_of_the_generations_it_removes(st
     first, second = (g.name for g in _store(stack).generations())
     folder = _remembered(stack, first, second)
     assert json.loads(stack.run("prune", "--keep", "1", "--json", check=True).stdout)["removed"] == [first]
-    assert sorted(p.name for p in folder.iterdir()) == [f"{second}.json", "README"]
+    assert sorted(p.name for p in folder.iterdir()) == [f"{second}.hashed", f"{second}.json", "README"]
 
 
 def test_prune_forgets_what_was_remembered_of_generations_removed_earlier(stack):
@@ -213,7 +213,7 @@ def test_prune_forgets_what_was_remembered_of_generations_removed_earlier(stack)
     (kept,) = (g.name for g in _store(stack).generations())
     folder = _remembered(stack, "0007-fixture-old-0123456789ab", kept)
     assert json.loads(stack.run("prune", "--keep", "1", "--json", check=True).stdout)["removed"] == []
-    assert sorted(p.name for p in folder.iterdir()) == [f"{kept}.json", "README"]
+    assert sorted(p.name for p in folder.iterdir()) == [f"{kept}.hashed", f"{kept}.json", "README"]
 
 
 def test_a_new_generation_inherits_nothing_remembered_of_an_earlier_one_of_its_name(stack):
@@ -228,7 +228,10 @@ def test_a_new_generation_inherits_nothing_remembered_of_an_earlier_one_of_its_n
     remove_tree(gen.path)
     stack.build("fixture-new", check=True)
     assert [g.name for g in _store(stack).generations()] == [name]
-    assert sorted(p.name for p in folder.iterdir()) == ["README"]
+    # Only the new generation's own record of when its bytes were hashed (at its build), none of the old one's.
+    assert sorted(p.name for p in folder.iterdir()) == [f"{name}.hashed", "README"]
+    (rebuilt,) = _store(stack).generations()
+    assert int((folder / f"{name}.hashed").read_text()) >= (rebuilt.path / "manifest.json").stat().st_mtime_ns
 
 
 def test_forgetting_never_follows_a_link_in_place_of_the_cache_folder(stack, tmp_path):
@@ -236,8 +239,10 @@ def test_forgetting_never_follows_a_link_in_place_of_the_cache_folder(stack, tmp
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "0007-fixture-old-0123456789ab.json").write_text("someone else's")
-    sealed.derived_folder(stack.root).parent.mkdir(parents=True, exist_ok=True)
-    sealed.derived_folder(stack.root).symlink_to(elsewhere)
+    folder = sealed.derived_folder(stack.root)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    remove_tree(folder)  # the build's own record of when it hashed its files is there
+    folder.symlink_to(elsewhere)
     stack.run("prune", "--keep", "1", "--json", check=True)
     assert (elsewhere / "0007-fixture-old-0123456789ab.json").read_text() == "someone else's"
 

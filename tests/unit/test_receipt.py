@@ -74,6 +74,19 @@ def test_a_change_to_a_watched_path_is_not_converged_and_names_it(node, change):
     assert verdict["converged"] is False and str(node.made) in verdict["why"]
 
 
+def test_a_file_in_a_watched_directory_written_in_place_with_its_mtime_put_back_is_not_converged(node):
+    """The tool's venv is watched as a folder: a module edited in place keeps its inode, size and mtime."""
+    module = node.made / "module.py"
+    module.write_text("X = 1\n")
+    _receipt(node, "--write")
+    st = os.lstat(module)
+    with open(module, "r+") as handle:
+        handle.write("X = 2\n")
+    os.utime(module, ns=(st.st_atime_ns, st.st_mtime_ns))
+    verdict = _verdict(node)
+    assert verdict["converged"] is False and str(node.made) in verdict["why"]
+
+
 def test_a_generation_changed_since_it_was_sealed_is_not_converged(node):
     _receipt(node, "--write")
     site = next((node.ml_env / "lib").glob("python3.*/site-packages"))

@@ -8,6 +8,7 @@ import os
 import shutil
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -149,11 +150,70 @@ def test_a_content_check_that_found_the_sealed_bytes_is_remembered_until_the_tre
     def compared_again(*args, **kwargs):
         raise AssertionError("the same tree was compared with its manifest again")
 
-    monkeypatch.setattr(sealed.treecheck, "differences", compared_again)
+    monkeypatch.setattr(sealed.treecheck, "compared", compared_again)
     assert sealed.unchanged_generation(built.ml_env) is None
     _touch(gen)  # moved again: the remembered check no longer describes this tree
     with pytest.raises(AssertionError, match="compared with its manifest again"):
         sealed.unchanged_generation(built.ml_env)
+
+
+def _rewrite_keeping_mtime(gen: Path) -> Path:
+    """Other bytes written into the same inode, its size, mode and mtime put back: only the ctime moves (nobody
+    can set it)."""
+    path = _torch_version_py(gen)
+    st = os.lstat(path)
+    data = path.read_bytes()
+    _writable(path)
+    with open(path, "r+b") as handle:
+        handle.write(data.replace(b"2.9.1", b"2.9.7"))
+    os.chmod(path, stat.S_IMODE(st.st_mode))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    after = os.lstat(path)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (st.st_ino, st.st_size, st.st_mtime_ns)
+    return path
+
+
+@needs_py312
+def test_a_file_rewritten_in_place_with_its_mtime_put_back_is_found(built):
+    """Its inode, size, mode and mtime are as sealed, so the tree stamp is too: the verify and the store's own
+    check hash what changed after the generation's bytes were last compared."""
+    gen = _generation(built)
+    assert sealed.unchanged_generation(built.ml_env) is None
+    path = _rewrite_keeping_mtime(gen)
+    why = sealed.unchanged_generation(built.ml_env)
+    assert why is not None and "torch/version.py: content changed" in why, why
+    assert sealed.load_static(built.ml_env, CAPABILITY)[0] is None
+    store = Store(Layout(built.root, built.ml_env, None, None))
+    problems = store.get(gen.name).verify("quick")
+    assert any(p.path.endswith("torch/version.py") and "content changed" in p.what for p in problems), problems
+    assert path.read_bytes().count(b"2.9.7")
+
+
+@needs_py312
+def test_a_later_hard_link_to_a_sealed_file_is_compared_once_then_the_verify_is_quick_again(built, monkeypatch):
+    """Another generation's build links the same files (uv's cache, the store's objects): their ctime moves, their
+    bytes do not. The bytes are compared once, and that moment recorded."""
+    gen = _generation(built)
+    assert sealed.unchanged_generation(built.ml_env) is None
+    os.link(_torch_version_py(gen), built.root / "a-later-link")  # the inode's ctime moves
+    assert sealed.unchanged_generation(built.ml_env) is None  # the same bytes
+
+    def compared_again(*args, **kwargs):
+        raise AssertionError("the same tree was compared with its manifest again")
+
+    monkeypatch.setattr(sealed.treecheck, "compared", compared_again)
+    assert sealed.unchanged_generation(built.ml_env) is None
+
+
+@needs_py312
+def test_a_record_of_when_the_bytes_were_compared_that_others_could_write_is_not_trusted(built):
+    gen = _generation(built)
+    assert sealed.unchanged_generation(built.ml_env) is None
+    record = sealed._hashed_path(gen)
+    record.write_text(f"{time.time_ns() + 10**15}\n")  # far ahead: would hide every later change
+    os.chmod(record, 0o666)
+    _rewrite_keeping_mtime(gen)
+    assert "content changed" in (sealed.unchanged_generation(built.ml_env) or "")
 
 
 @needs_py312
@@ -402,9 +462,9 @@ def test_results_of_running_the_env_are_reused_only_while_their_key_holds(built)
     sealed.save_derived(built.ml_env, key, {"torch": {"ok": True}})
     assert sealed.load_derived(built.ml_env, key) == {"torch": {"ok": True}}
     assert sealed.load_derived(built.ml_env, sealed.derived_key(built.ml_env, "imports", ["gpu", "580"])) is None
-    cache = built.root / "cache" / "verify-facts"
-    assert [p.name for p in cache.iterdir()] == [f"{_generation(built).name}.json"]
-    os.chmod(next(cache.iterdir()), 0o666)  # a cache others could write is not trusted
+    cache = built.root / "cache" / "verify-facts" / f"{_generation(built).name}.json"
+    assert cache.is_file()
+    os.chmod(cache, 0o666)  # a cache others could write is not trusted
     assert sealed.load_derived(built.ml_env, key) is None
 
 

@@ -148,3 +148,23 @@ def test_an_env_interpreter_leaves_nothing_in_the_shared_temporary_folder(tmp_pa
     assert used, "the interpreter ran"
     for folder in used:
         assert os.path.realpath(folder) != shared and not os.path.exists(folder), folder
+
+
+@needs_py312
+def test_a_model_folder_whose_config_changed_is_planned_again(built, planner, tmp_path):
+    """A lock may name a model by its folder: SGLang plans from the config files there, which the folder's owner
+    can change (an NVFP4 checkpoint's config in place of the dense one). The plan recorded before is not reused."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}\n')
+    job = {"device": DEVICE, "requests": [{"id": "model-0", "model": str(folder), "tp": 8}]}
+    probe.collect(built.ml_env, CAPABILITY, runtime=False, imports=False, serve_plan=job)
+    again = probe.collect(built.ml_env, CAPABILITY, runtime=False, imports=False, serve_plan=job)
+    assert again["facts_source"].get("serve_plan") == "recorded" and planner == [1]
+    (folder / "hf_quant_config.json").write_text('{"quantization": {"quant_algo": "NVFP4"}}\n')
+    changed = probe.collect(built.ml_env, CAPABILITY, runtime=False, imports=False, serve_plan=job)
+    assert changed["facts_source"].get("serve_plan") != "recorded" and planner == [1, 1]
+    with open(folder / "config.json", "r+") as config:  # in place, the folder's listing as it was
+        config.write('{"architectures": ["Qwen3MoeForCausalLM"]')
+    probe.collect(built.ml_env, CAPABILITY, runtime=False, imports=False, serve_plan=job)
+    assert planner == [1, 1, 1]

@@ -10,7 +10,8 @@ import sys
 import time
 
 import pytest
-from helpers import needs_py312
+import yaml
+from helpers import bwstack, needs_py312
 
 from bwstack.image import daemon as docker_daemon
 
@@ -87,6 +88,25 @@ def test_gpu_checks_fail_when_the_runtime_saw_fewer_gpus_than_the_driver_lists(s
         "gpus_are_the_profiles_target_capability"]["message"]  # fmt: skip
     for name in ("matmul_is_correct_on_every_gpu", "nccl_allreduce_across_all_gpus_gives_the_right_sum"):
         assert checks[name]["outcome"] in ("failed", "error"), (name, checks[name])
+
+
+def test_an_env_built_before_the_locks_wheel_hashes_changed_fails_the_lock_digest_check(stack, tmp_path):
+    """The versions still match; the wheels the lock now names are other files (a hostile or updated lock)."""
+    stack.build("fixture-new", check=True)
+    name = "every_pinned_package_is_at_the_locked_version"
+    assert _checks(stack.run("verify", "--no-runtime", "--json"))["the_generation_was_built_from_this_locks_closure"][
+        "outcome"] == "passed"  # fmt: skip
+    doc = yaml.safe_load(stack.lock.read_text())
+    package = next(iter(doc["closures"]["fixture-new"]["env"].values()))
+    package["wheels"][0]["sha256"] = "ab" * 32
+    other = tmp_path / "other.lock.yaml"
+    other.write_text(yaml.safe_dump(doc, sort_keys=False))
+    result = bwstack("--lock", str(other), "verify", "--no-runtime", "--json", env=stack.env)
+    checks = _checks(result)
+    assert checks[name]["outcome"] == "passed"
+    check = checks["the_generation_was_built_from_this_locks_closure"]
+    assert check["outcome"] == "failed" and "its wheels, their hashes or its toolkit changed since" in check["message"]
+    assert result.returncode == 1
 
 
 def test_verify_runs_through_an_ansible_inventory_with_the_provision_spelling(stack, tmp_path):

@@ -35,6 +35,7 @@ import shutil
 import stat
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from bwstack.probe import treecheck
@@ -100,42 +101,85 @@ def tree_stamp(
     stamped instead of the links (find -L, which refuses a loop; never for a generation, whose links are
     its own files), with each path's inode change time; without find that stamp is UNREADABLE. A tree that
     changes under the walk is UNREADABLE."""
+    stamp = _walk_stamp(env, method, max_paths, follow_links)
+    return stamp.method, stamp.digest
+
+
+@dataclass(frozen=True)
+class Stamp:
+    method: str
+    digest: str
+    newest_change: int  # the newest inode change time (ns) of the paths walked (0: not known)
+
+
+def generation_stamp(env: Path, method: str | None = None) -> Stamp:
+    """tree_stamp() of a generation's env, with the newest inode change time among its paths. The ctime is not in
+    the digest (a later build's hard links to the same files move it, which a stamp recorded at build time must
+    survive); it says whether any file changed after the generation's bytes were last compared
+    (hashed_before)."""
+    return _walk_stamp(env, method, None, False, newest=True)
+
+
+def _ns(text: bytes) -> int:
+    whole, _, frac = text.partition(b".")
+    return int(whole) * 1_000_000_000 + int((frac[:9] or b"0").ljust(9, b"0"))
+
+
+def _walk_stamp(
+    env: Path, method: str | None, max_paths: int | None, follow_links: bool, newest: bool = False
+) -> Stamp:
     find = shutil.which("find") if method in (None, "find") else None
     if follow_links and find is None:
-        return "python", UNREADABLE
+        return Stamp("python", UNREADABLE, 0)
     if find is not None:
         digest = hashlib.sha256()
         fmt = "%y %i %s %T@ %m %U %G %P\\0"
         if follow_links:  # a stamp only compared with itself: the inode change time too
             fmt = "%y %i %s %T@ %C@ %m %U %G %P\\0"
         cmd = [find, *(["-L"] if follow_links else []), str(env), "-printf", fmt]
-        listed = 0
-        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) as proc:
-            assert proc.stdout is not None
-            while chunk := proc.stdout.read(1 << 20):
-                digest.update(chunk)
-                listed += chunk.count(b"\0")
-                if max_paths is not None and listed > max_paths:
-                    proc.kill()
-                    return "find", UNREADABLE
+        listed, latest = 0, 0
+        # The change times, kept out of the digest, go to a second output of the same walk (an in-memory file).
+        ctimes = os.memfd_create("bwstack-ctimes", os.MFD_CLOEXEC) if newest else None
+        try:
+            if ctimes is not None:
+                cmd += ["-fprintf", f"/dev/fd/{ctimes}", "%C@\\n"]
+            with subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, pass_fds=(ctimes,) if ctimes is not None else ()
+            ) as proc:
+                assert proc.stdout is not None
+                while chunk := proc.stdout.read(1 << 20):
+                    digest.update(chunk)
+                    listed += chunk.count(b"\0")
+                    if max_paths is not None and listed > max_paths:
+                        proc.kill()
+                        return Stamp("find", UNREADABLE, 0)
+            if ctimes is not None:
+                # Seconds with ten decimals each: with as many digits before the point, the larger text is later.
+                times = os.pread(ctimes, os.fstat(ctimes).st_size, 0).split()
+                latest = _ns(max(times, key=lambda t: (t.find(b"."), t))) if times else 0
+        finally:
+            if ctimes is not None:
+                os.close(ctimes)
         if proc.returncode == 0:
-            return "find", digest.hexdigest()
+            return Stamp("find", digest.hexdigest(), latest)
         if method == "find" or follow_links:
-            return "find", UNREADABLE
+            return Stamp("find", UNREADABLE, 0)
     digest = hashlib.sha256()
+    latest = 0
     try:
         for listed, (rel, st) in enumerate(treecheck.walk(env), start=1):
             if max_paths is not None and listed > max_paths:
-                return "python", UNREADABLE
+                return Stamp("python", UNREADABLE, 0)
             rel = "" if rel == "." else rel  # the root as these digests have always named it
             kind = "l" if stat.S_ISLNK(st.st_mode) else "d" if stat.S_ISDIR(st.st_mode) else "f"
+            latest = max(latest, st.st_ctime_ns)
             digest.update(
                 f"{kind} {st.st_ino} {st.st_size} {st.st_mtime_ns} {stat.S_IMODE(st.st_mode):o} {st.st_uid} "
                 f"{st.st_gid} {rel}\0".encode(errors="surrogateescape")
             )
     except OSError:  # a path that went away under the walk, a directory it may not read
-        return "python", UNREADABLE
-    return "python", digest.hexdigest()
+        return Stamp("python", UNREADABLE, 0)
+    return Stamp("python", digest.hexdigest(), latest)
 
 
 def _manifest_row(gen: Path, path: str) -> list | None:
@@ -163,13 +207,19 @@ def _matches_row(path: Path, row: list | None) -> bool:
         st = os.lstat(path)
     except OSError:
         return False
-    _rel, kind, size, mode, _sha, ino, mtime_ns, uid, gid = row
-    return (
+    _rel, kind, size, mode, sha, ino, mtime_ns, uid, gid = row
+    same = (
         kind == "f"
         and stat.S_ISREG(st.st_mode)
         and (st.st_size, stat.S_IMODE(st.st_mode), st.st_ino, st.st_mtime_ns, st.st_uid, st.st_gid)
         == (size, mode, ino, mtime_ns, uid, gid)
     )
+    if same and st.st_ctime_ns > hashed_before(path.parent):  # its inode changed since: rewritten in place?
+        try:
+            return treecheck.sha256_file(path) == sha
+        except OSError:
+            return False
+    return same
 
 
 # ------------------------------------------------------------------------------------------------ the tree
@@ -197,30 +247,81 @@ def _tree_changed(gen: Path, tree: dict) -> str | None:
     """None when the generation's env/ holds what it was sealed with, else why not.
 
     The quick answer is the tree stamp recorded with the facts (every path's kind, inode, size, mtime, mode and
-    owner). When it differs, the bytes decide: every path is compared with its manifest row, re-hashing only the
-    files whose inode or mtime moved (probe.treecheck, the store's own comparison). Equal content is the sealed
-    generation (a `touch`, a repair's new inodes): the facts hold, and the new stamp is remembered in the store's
-    cache so the next run is quick again."""
+    owner), and no inode changed since the generation's bytes were last compared (hashed_before: a file written
+    in place with its mtime put back keeps the stamp; its ctime moves). Otherwise the bytes decide: every path is
+    compared with its manifest row, re-hashing the files whose inode or mtime moved or whose inode changed since
+    (probe.treecheck, the store's own comparison). Equal content is the sealed generation (a `touch`, a repair's
+    new inodes, a later build's hard links to the same files): the facts hold, the new stamp is remembered in the
+    store's cache and the moment of the comparison recorded, so the next run is quick again."""
     method, digest = tree.get("method"), tree.get("digest")
-    now = tree_stamp(gen / "env", method)
-    readable = now[1] != UNREADABLE and digest != UNREADABLE
-    if readable and now == (method, digest):
-        return None
+    walked = generation_stamp(gen / "env", method)
+    now = (walked.method, walked.digest)
+    readable = walked.digest != UNREADABLE and digest != UNREADABLE
+    before = hashed_before(gen)
     # A stamp that could not be taken describes no tree: nothing is remembered for it, the bytes decide each time.
     key = derived_key(gen / "env", "tree-content-checked", digest, now) if readable else None
-    known = load_derived(gen / "env", key)  # this very tree was compared before: True, or why it differs
-    if known is True or (isinstance(known, str) and known):
-        return None if known is True else known
+    known = True if readable and now == (method, digest) else load_derived(gen / "env", key)
+    if isinstance(known, str) and known:  # this very tree was compared before, and differed
+        return known
+    if known is True and walked.newest_change <= before:
+        return None
     rows = _manifest_rows_under_env(gen)
     if rows is None:
         return f"generation {gen.name} changed since it was sealed (its manifest is unreadable or malformed)"
     try:
-        found = treecheck.differences(gen / "env", rows, first_only=True)
+        found = treecheck.compared(gen / "env", rows, first_only=True, changed_since=before).found
     except (OSError, ValueError) as exc:  # a path that vanished or changed kind while it was compared
         return f"generation {gen.name} changed while it was compared with its manifest ({exc})"
     answer = f"generation {gen.name} changed since it was sealed (env/{found[0][0]}: {found[0][1]})" if found else True
-    save_derived(gen / "env", key, answer)
+    if key is not None and now != (method, digest):
+        save_derived(gen / "env", key, answer)
+    if answer is True and readable:
+        record_hashed(gen, walked.newest_change)  # every change up to the walk has had its bytes compared
     return None if answer is True else answer
+
+
+HASHED_SUFFIX = ".hashed"  # <generation>.hashed in the derived folder: hashed_before's record
+
+
+def _hashed_path(gen: Path) -> Path:
+    return derived_folder(gen.parent.parent) / f"{gen.name}{HASHED_SUFFIX}"
+
+
+def hashed_before(gen: Path) -> int:
+    """The moment (ns) up to which every change to the generation's files has had its bytes compared with the
+    manifest: recorded when the store indexed the committed generation (after its hard links were made) and
+    each time a comparison found it whole; without a record (one the store's owner did not write), the moment
+    its manifest was written, when every file had just been hashed."""
+    path = _hashed_path(gen)
+    try:
+        st = os.lstat(path)
+        owner = os.stat(path.parent.parent.parent)  # the store root: only its owner may write the record
+        if stat.S_ISREG(st.st_mode) and not st.st_mode & 0o022 and st.st_uid == owner.st_uid:
+            value = int(treecheck.read_bounded(path, 64, "the hashed record").decode().strip())
+            if value > 0:
+                return value
+    except (OSError, ValueError):
+        pass
+    try:
+        return os.stat(gen / MANIFEST_NAME).st_mtime_ns
+    except OSError:
+        return 0
+
+
+def record_hashed(gen: Path, moment: int) -> None:
+    """Best effort, the store's owner only: every change up to `moment` has had its bytes compared."""
+    path = _hashed_path(gen)
+    try:
+        if moment <= hashed_before(gen) or os.geteuid() != os.stat(path.parent.parent.parent).st_uid:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "w") as out:
+            out.write(f"{moment}\n")
+        os.replace(tmp, path)
+    except OSError:
+        return
 
 
 # ------------------------------------------------------------------------------------------------ static facts
@@ -345,11 +446,15 @@ def derived_cache(env: Path) -> Path | None:
 
 
 def _cached_generation(name: str) -> str | None:
-    """The generation a file of the derived folder belongs to: `<gen>.json`, or `.<gen>.json.<pid>.tmp` that a
-    writer killed before its rename left. None for a name this module never writes."""
+    """The generation a file of the derived folder belongs to: `<gen>.json` or `<gen>.hashed`, or
+    `.<gen>.json.<pid>.tmp` that a writer killed before its rename left. None for a name this module never
+    writes."""
     if name.startswith(".") and name.endswith(".tmp"):
         name = name[1:].rsplit(".", 2)[0] if name.count(".") >= 3 else ""
-    return name[: -len(".json")] if name.endswith(".json") and len(name) > len(".json") else None
+    for suffix in (".json", HASHED_SUFFIX):
+        if name.endswith(suffix) and len(name) > len(suffix):
+            return name[: -len(suffix)]
+    return None
 
 
 def forget_derived(store_root: Path, generations: set[str]) -> list[str]:
@@ -432,10 +537,11 @@ def basis_still_holds(env: Path, given: object) -> bool:
     return (
         gen is not None
         and isinstance(given, list)
-        and len(given) == 5
+        and len(given) == 6
         and given[0] == gen.name
         and given[1] == stat_key(str(gen / MANIFEST_NAME))
         and given[4] == environment_key()
+        and given[5] == probe_digest()
     )
 
 

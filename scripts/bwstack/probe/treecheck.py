@@ -2,13 +2,14 @@
 
 The store's `manifest.verify` (before a switch, `bwstack generations`, repair, restore) and the probe's reuse
 of a sealed generation's facts (sealed.py: after a file's mtime moved, are its bytes still the sealed ones?)
-both call `differences`. It lives in the probe because the probe runs on nodes as a standard-library-only
+both call `compared`. It lives in the probe because the probe runs on nodes as a standard-library-only
 zipapp and the store may import the probe, not the other way round.
 
 A row is the manifest's list `[path, kind, size, mode, sha256, ino, mtime_ns, uid, gid]`: kind "f", "l" or "d";
 sha256 is a file's content hash and a link's target; uid and gid are None in a legacy (format 1) manifest.
-`quick` re-hashes only the files whose inode or mtime moved (any ordinary write moves the mtime); `full`
-re-hashes every file. Links are never followed.
+`quick` re-hashes only the files whose inode or mtime moved (any ordinary write moves the mtime), and those whose
+inode changed after a given moment (a write with the mtime put back moves the ctime, which nobody can set);
+`full` re-hashes every file. Links are never followed.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import stat
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 CHUNK = 4 << 20
@@ -201,7 +203,16 @@ def _safe_hash(path: Path) -> str:
         return f"unreadable ({exc.strerror})"
 
 
-def differences(
+@dataclass(frozen=True)
+class Compared:
+    """What `compared` found, and the newest inode change time (ns) among the paths it walked: once nothing
+    differs, every file that changed up to then has had its bytes compared."""
+
+    found: list[tuple[str, str]]
+    newest_change: int
+
+
+def compared(
     root: Path,
     rows: Iterable[Sequence],
     depth: str = "quick",
@@ -210,30 +221,40 @@ def differences(
     skip_top: Iterable[str] = (),
     legacy: bool = False,
     first_only: bool = False,
-) -> list[tuple[str, str]]:
-    """(path, what differs) for every path of `root` that does not match its row, sorted by path; empty when the
-    tree holds exactly what the rows say. A legacy manifest never recorded bytecode or the root directory.
-    `first_only` stops at the first difference found (the caller only needs to know whether one exists)."""
+    changed_since: int | None = None,
+) -> Compared:
+    """(path, what differs) for every path of `root` that does not match its row, sorted by path (empty when the
+    tree holds exactly what the rows say), and the tree's newest inode change time. A legacy manifest never
+    recorded bytecode or the root directory. `first_only` stops at the first difference found (the caller only
+    needs to know whether one exists). `changed_since` (ns): a file whose inode changed after that moment (its
+    ctime) is hashed too, whatever its inode and mtime say: rewriting a file in place and putting its mtime back
+    leaves both as they were, and only the ctime moves."""
     expected = {row[0]: row for row in rows}
     found: list[tuple[str, str]] = []
     suspects: list[Sequence] = []
     seen: set[str] = set()
+    newest = 0
     for rel, st in walk(root, skip_top=skip_top, skip_dirs=("__pycache__",) if legacy else ()):
         if legacy and rel == ".":
             continue
         seen.add(rel)
+        newest = max(newest, st.st_ctime_ns)
         row = expected.get(rel)
         what = "not in the manifest (added after the generation was sealed)" if row is None else None
         what = what or compare(root, rel, st, row, legacy)
         if what:
             found.append((rel, what))
             if first_only:
-                return found
-        elif row[1] == "f" and (depth == "full" or (st.st_ino, st.st_mtime_ns) != (row[5], row[6])):
+                return Compared(found, newest)
+        elif row[1] == "f" and (
+            depth == "full"
+            or (st.st_ino, st.st_mtime_ns) != (row[5], row[6])
+            or (changed_since is not None and st.st_ctime_ns > changed_since)
+        ):
             suspects.append(row)
     found += [(rel, "missing") for rel in sorted(set(expected) - seen)]
     if found and first_only:
-        return found[:1]
+        return Compared(found[:1], newest)
     pool = ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 2)
     try:
         for row, sha in zip(suspects, pool.map(lambda r: _safe_hash(Path(root) / r[0]), suspects), strict=True):
@@ -243,4 +264,4 @@ def differences(
                     break
     finally:
         pool.shutdown(cancel_futures=True)  # after a first difference, the files not hashed yet stay so
-    return sorted(found)
+    return Compared(sorted(found), newest)

@@ -61,7 +61,7 @@ def _link(path: Path | None) -> str:
 def fingerprint(path: str, *, follow: bool = True) -> str:
     """What is at `path`: a link's target (and what it resolves to), a file's bytes (its stat when large), a
     directory's whole tree without following links in it (kind, inode, size, mtime, mode and owner of every
-    path: sealed.tree_stamp)."""
+    path, and the newest inode change time among them: sealed.generation_stamp)."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -74,7 +74,10 @@ def fingerprint(path: str, *, follow: bool = True) -> str:
         target = "l:" + os.readlink(path)
         return target + " -> " + fingerprint(os.path.realpath(path), follow=False) if follow else target
     if stat.S_ISDIR(st.st_mode):
-        return f"d:{owner}:" + ":".join(sealed.tree_stamp(Path(path)))
+        # With the newest inode change time: a file written in place with its mtime put back (a module of the
+        # tool's venv edited by hand) keeps every other field.
+        tree = sealed.generation_stamp(Path(path))
+        return f"d:{owner}:{tree.method}:{tree.digest}:{tree.newest_change}"
     if stat.S_ISREG(st.st_mode) and st.st_size == 0:
         return f"f:{owner}:" + _pseudo_file_digest(path)
     if stat.S_ISREG(st.st_mode) and st.st_size <= HASHED_FILE_LIMIT:

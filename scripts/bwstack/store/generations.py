@@ -157,8 +157,11 @@ class Generation:
         if self.damaged:
             return [manifest.Problem(self.name, f"damaged: {self.damaged}")]
         doc = self.manifest
+        # A file rewritten in place with its mtime put back keeps its inode and mtime: the ones whose inode changed
+        # since the bytes were last compared are hashed too, and once the whole tree matches, that moment moves.
+        since = sealed.hashed_before(self.path)
         if doc.legacy:
-            return manifest.verify(self.env, doc, depth)
+            return manifest.check(self.env, doc, depth, changed_since=since)[0]
         problems = []
         st = os.lstat(self.path / MANIFEST)
         top = doc.by_path().get(".")
@@ -169,7 +172,10 @@ class Generation:
             problems.append(
                 manifest.Problem(MANIFEST, f"owner {st.st_uid}:{st.st_gid}, the store's is {owner[0]}:{owner[1]}")
             )
-        return problems + manifest.verify(self.path, doc, depth)
+        found, newest = manifest.check(self.path, doc, depth, changed_since=since)
+        if not problems and not found:
+            sealed.record_hashed(self.path, newest)
+        return problems + found
 
 
 def generation_name(gen_id: int, profile: str | None, digest: str) -> str:
@@ -438,6 +444,9 @@ class Store:
         entries = gen.manifest_entries()
         self.layout.objects.add_all(gen.path, entries)
         manifest.HashCache(self.layout.cache / "file-hashes.json").add(gen.path, entries)
+        # Linking moved the files' inode change times; their bytes are the ones just hashed (or restored from
+        # objects of that hash), so a verify need not hash them again for it.
+        sealed.record_hashed(gen.path, time.time_ns())
 
     # -- switching ---------------------------------------------------------------------------------
 

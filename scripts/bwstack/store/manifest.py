@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bwstack.fsutil import atomic_write_text
-from bwstack.probe.treecheck import differences, read_bounded, sha256_file, valid_row, walk
+from bwstack.probe.treecheck import compared, read_bounded, sha256_file, valid_row, walk
 
 FORMAT = 2
 MANIFEST_NAME = "manifest.json"
@@ -178,13 +178,27 @@ def verify(
     skip_top: Iterable[str] = (MANIFEST_NAME,),
 ) -> list[Problem]:
     """Differences between `root` now and its manifest; empty when it verifies (probe.treecheck compares)."""
+    return check(root, manifest, depth, workers=workers, skip_top=skip_top)[0]
+
+
+def check(
+    root: Path,
+    manifest: Manifest | list[Entry],
+    depth: str = "quick",
+    *,
+    workers: int | None = None,
+    skip_top: Iterable[str] = (MANIFEST_NAME,),
+    changed_since: int | None = None,
+) -> tuple[list[Problem], int]:
+    """verify(), hashing also the files whose inode changed after `changed_since` (ns), with the newest inode
+    change time of the tree (probe.treecheck.compared)."""
     if isinstance(manifest, Manifest):
         entries, legacy = manifest.entries, manifest.legacy
     else:
         entries, legacy = manifest, False
     rows = [e.as_row() for e in entries]
-    found = differences(root, rows, depth, workers=workers, skip_top=skip_top, legacy=legacy)
-    return [Problem(path, what) for path, what in found]
+    got = compared(root, rows, depth, workers=workers, skip_top=skip_top, legacy=legacy, changed_since=changed_since)
+    return [Problem(path, what) for path, what in got.found], got.newest_change
 
 
 def refingerprint(root: Path, entries: Iterable[Entry]) -> list[Entry]:

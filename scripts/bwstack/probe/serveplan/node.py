@@ -518,8 +518,35 @@ def observe_job(
 
 def plan_key(env: Path | None, job: dict, gpu: object, cuda: object, base: list | None = None) -> str | None:
     """Where the store's verify cache keeps a verify probe's plan of `job` (its own requests and the hints beside
-    them) on this generation, host, GPUs and CUDA toolkit."""
-    return sealed.derived_key(env, "serve-plan", job, gpu, cuda, base=base)
+    them) on this generation, host, GPUs and CUDA toolkit, and the files of the model folders it names."""
+    return sealed.derived_key(env, "serve-plan", job, gpu, cuda, model_folders(job), base=base)
+
+
+def model_folders(job: dict) -> list:
+    """The model folders a job names by path (a model or draft given as /path), each with the stat of every entry
+    in it: SGLang plans from their config files, which whoever owns the folder can change. A plan recorded
+    before such a change is not the folder's plan any more."""
+    out: list = []
+    for request in job.get("requests") or []:
+        for key in ("model", "draft"):
+            value = request.get(key) if isinstance(request, dict) else None
+            if isinstance(value, str) and value.startswith("/"):
+                out.append([value, _folder_stamp(value)])
+    return out
+
+
+def _folder_stamp(path: str) -> list:
+    try:
+        st = os.stat(path)
+        names = sorted(os.listdir(path))
+    except OSError as exc:
+        return [f"unreadable: {exc.strerror}"]
+    entries: list = [[".", st.st_mode, st.st_ino, st.st_mtime_ns, st.st_ctime_ns]]
+    for name in names:
+        with contextlib.suppress(OSError):
+            st = os.lstat(os.path.join(path, name))
+            entries.append([name, st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns])
+    return entries
 
 
 @dataclass(frozen=True)
@@ -679,11 +706,11 @@ def main(argv: list[str]) -> int:
     key, cuda, gpu, base = None, reuse.get("cuda"), reuse.get("gpu"), None
     if sealed.basis_still_holds(env, reuse.get("basis")) and cuda is not None:
         base = reuse["basis"]
-        key = sealed.derived_key(None, "serve-plan-job", job, gpu, cuda, base=base)
+        key = sealed.derived_key(None, "serve-plan-job", job, gpu, cuda, model_folders(job), base=base)
     elif sealed.unchanged_generation(env, host=False) is None:  # the key names the host as it is now
         cuda = probe.cuda_facts(env, str(job["device"].get("capability", "")), reuse=True)
         gpu = probe._gpu_key(probe.gpu_facts())
-        key = sealed.derived_key(env, "serve-plan-job", job, gpu, cuda)
+        key = sealed.derived_key(env, "serve-plan-job", job, gpu, cuda, model_folders(job))
     recorded = recorded_plan(env, key)
     result, loaded = recorded.plan, recorded.loaded
     if result is None:
