@@ -242,6 +242,12 @@ def run_serve_plan(host, config: pytest.Config, env_path: str, job: dict) -> dic
     return _facts_of(host, _run(host, command, expect_ok=False), "serve-plan")
 
 
+def _job_of(profile: Profile) -> dict | None:
+    """The serve-plan job for the models a profile says a node must serve (None: it names none)."""
+    models = [request_of(m, i) for i, m in enumerate(profile.expect.models)]
+    return serve_plan_job(profile, models) if models else None
+
+
 @pytest.fixture(scope="module")
 def facts(host, request: pytest.FixtureRequest, lock: Lock) -> dict:
     key = host.backend.get_pytest_id()
@@ -250,14 +256,16 @@ def facts(host, request: pytest.FixtureRequest, lock: Lock) -> dict:
         profile_name = request.config.getoption("--stack-profile")
         planned = lock.profile(profile_name)
         capability = capability or planned.expect.target_capability
-        models = [request_of(m, i) for i, m in enumerate(planned.expect.models)]
-        job = serve_plan_job(planned, models) if models else None
-        _JOBS[key] = job
+        # Without --stack-profile the env is judged against the profile its generation was built from (the
+        # `profile` fixture), which only the node knows: the probe gets each profile's job and plans that one.
+        jobs = {p.name: _job_of(p) for p in ([planned] if profile_name else lock.profiles.values())}
+        job = jobs[planned.name] if profile_name else {"by_profile": jobs, "default": lock.default_profile}
         try:
             _FACTS[key] = collect(host, request.config, capability, job)
         except HostUnavailable as exc:
             _FACTS[key] = exc  # every module of this host fails at once with it, not after another timeout
         else:
+            _JOBS[key] = jobs.get(_FACTS[key].get("serve_plan_profile") or planned.name)
             out = request.config.getoption("--stack-facts-dir")
             if out:
                 Path(out).mkdir(parents=True, exist_ok=True)

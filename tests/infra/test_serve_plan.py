@@ -13,8 +13,12 @@ from bwstack.checks.session import session_lock
 from bwstack.serveplan import catalogue, check
 
 
-def _models(config: pytest.Config) -> list:
-    return list(session_lock(config).profile(config.getoption("--stack-profile")).expect.models)
+def _profiles(config: pytest.Config) -> list:
+    """The profile named on the command line, else every profile: which one a node's env is judged against is
+    known only from its generation (the `profile` fixture), after collection."""
+    lock = session_lock(config)
+    name = config.getoption("--stack-profile")
+    return [lock.profile(name)] if name else list(lock.profiles.values())
 
 
 def _labels(models: list) -> list[str]:
@@ -25,14 +29,20 @@ def _labels(models: list) -> list[str]:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "served" in metafunc.fixturenames:
-        labels = _labels(_models(metafunc.config))
+        labels = list(dict.fromkeys(label for p in _profiles(metafunc.config) for label in _labels(p.expect.models)))
         metafunc.parametrize("served", labels or ["none"])
 
 
-def test_every_expected_model_runs_on_kernels_for_the_gpu(facts, env, plan_again, served, request, record_property):
-    labels = _labels(_models(request.config))
+def test_every_expected_model_runs_on_kernels_for_the_gpu(
+    facts, env, profile, plan_again, served, record_property
+):  # fmt: skip
+    labels = _labels(profile.expect.models)
+    if not labels:
+        pytest.skip(f"profile {profile.name} names no models to serve (expect.models)")
     if served not in labels:
-        pytest.skip("the profile names no models to serve (expect.models)")
+        pytest.skip(f"not a model of profile {profile.name}, which the env is judged against")
+    if facts.get("serve_plan_profile", profile.name) != profile.name:
+        pytest.fail(f"the probe planned profile {facts['serve_plan_profile']}'s models, not {profile.name}'s")
     model_index = labels.index(served)
     observation = facts.get("serve_plan")
     if observation is None:

@@ -168,3 +168,46 @@ def test_a_model_folder_whose_config_changed_is_planned_again(built, planner, tm
         config.write('{"architectures": ["Qwen3MoeForCausalLM"]')
     probe.collect(built.ml_env, CAPABILITY, runtime=False, imports=False, serve_plan=job)
     assert planner == [1, 1, 1]
+
+
+# Which profile's models a node plans: the node's env is judged against the profile its generation was built from
+# (or, adopted, is nearest to), which only the node knows; the controller sends every profile's job.
+JOBS = {
+    "fixture-new": {"device": DEVICE, "requests": [{"id": "model-0", "model": "llama-3.1-8b-instruct", "tp": 8}]},
+    "fixture-old": {"device": DEVICE, "requests": [{"id": "model-0", "model": "qwen3-30b-a3b", "tp": 8}]},
+    "no-models": None,
+}
+
+
+@pytest.mark.parametrize(
+    ("generation", "chosen"),
+    [
+        ({"profile": "fixture-old"}, "fixture-old"),
+        ({"profile": None, "nearest_profile": "fixture-old"}, "fixture-old"),
+        ({"profile": "a-profile-this-lock-lacks"}, "fixture-new"),
+        (None, "fixture-new"),
+        ({"profile": "no-models"}, "no-models"),
+    ],
+    ids=[
+        "built-from-it",
+        "adopted-nearest-to-it",
+        "unknown-profile-the-default",
+        "no-generation-the-default",
+        "a-profile-without-models",
+    ],
+)
+def test_the_probe_plans_the_models_of_the_profile_the_env_was_built_from(generation, chosen):
+    job, name = probe.job_for_env({"by_profile": JOBS, "default": "fixture-new"}, generation)
+    assert name == chosen and job == JOBS[chosen]
+
+
+def test_a_single_job_is_planned_as_given():
+    assert probe.job_for_env(JOBS["fixture-old"], {"profile": "fixture-new"}) == (JOBS["fixture-old"], None)
+
+
+@needs_py312
+def test_the_facts_say_which_profiles_models_were_planned(built, planner):
+    facts = probe.collect(built.ml_env, CAPABILITY, runtime=False, imports=False,
+                          serve_plan={"by_profile": JOBS, "default": "fixture-old"})  # fmt: skip
+    assert facts["serve_plan_profile"] == "fixture-new"  # the generation's own, not the default
+    assert [r["model"] for r in facts["serve_plan"]["requests"]] == ["llama-3.1-8b-instruct"]

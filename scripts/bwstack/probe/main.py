@@ -668,6 +668,21 @@ def record_static(gen_dir: Path, env: Path, capability: str) -> Path:
     return sealed.write_static(gen_dir, env, capability, facts)
 
 
+def job_for_env(serve_plan: dict | None, generation: dict | None) -> tuple[dict | None, str | None]:
+    """The serve-plan job for this env and the profile it is for. A job per profile (`by_profile`, null for a
+    profile that names no models): the one of the profile the env's generation was built from (or, adopted, is
+    nearest to), else the lock's default profile's, as the checks judge the env. A plain job is used as given."""
+    if not isinstance(serve_plan, dict) or not isinstance(serve_plan.get("by_profile"), dict):
+        return serve_plan, None
+    jobs = serve_plan["by_profile"]
+    gen = generation if isinstance(generation, dict) else {}
+    name = gen.get("profile") or gen.get("nearest_profile")
+    if name not in jobs:
+        name = serve_plan.get("default")
+    job = jobs.get(name) if isinstance(name, str) else None
+    return (job if isinstance(job, dict) else None), (name if isinstance(name, str) else None)
+
+
 def collect(
     env: Path,
     capability: str = "12.0",
@@ -693,6 +708,9 @@ def collect(
     facts["facts_source"] = {"static": "recorded" if static else "read", "why": why}
     facts["env"] = env_facts(env, static)
     lap("env")
+    serve_plan, chosen = job_for_env(serve_plan, facts["env"].get("generation"))
+    if chosen is not None:
+        facts["serve_plan_profile"] = chosen
     if not facts["env"]["exists"]:
         return facts
     sp = Path(facts["env"]["site_packages"])

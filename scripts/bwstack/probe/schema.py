@@ -86,6 +86,7 @@ class Facts(TypedDict, total=False):
     features: dict[str, Any]
     imports: dict[str, dict[str, Any]]
     serve_plan: dict[str, Any]
+    serve_plan_profile: str  # the profile whose models serve_plan planned
     runtime: dict[str, Any]
 
 
