@@ -168,6 +168,9 @@ PATH_OPTIONS = [
     ["patch", "status", "--env", "{bad}"],
     ["serve-plan", "--env", "{bad}"],
     ["probe-bundle", "--out", "{bad}"],
+    ["image", "build", "--context-dir", "{bad}"],
+    ["image", "build", "--store", "{bad}"],
+    ["image", "bench-rebuild", "--store", "{bad}"],
 ]
 
 

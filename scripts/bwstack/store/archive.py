@@ -125,8 +125,10 @@ def write_archive(store: Store, gen: Generation, path: Path, level: int = 3) -> 
     partial: Path | None = Path(name)
     try:
         with os.fdopen(fd, "wb") as raw:
-            fcntl.flock(raw.fileno(), fcntl.LOCK_EX)  # held while it is written: not abandoned (below)
-            os.fchmod(raw.fileno(), 0o644)
+            # Held while it is written: not abandoned (_remove_abandoned_partials). 0600 until it is whole, so that
+            # nobody else can open it to hold a lock of their own on it (it would never be removed).
+            fcntl.flock(raw.fileno(), fcntl.LOCK_EX)
+            os.fchmod(raw.fileno(), 0o600)
             hashing = _HashingWriter(raw)
             compressor = zstandard.ZstdCompressor(level=level, threads=-1)
             with (
@@ -144,6 +146,7 @@ def write_archive(store: Store, gen: Generation, path: Path, level: int = 3) -> 
                 checkpoint("archive-before-close")
             raw.flush()
             os.fsync(raw.fileno())
+            os.fchmod(raw.fileno(), 0o644)  # whole: readable as the archive it becomes
         sha = hashing.digest.hexdigest()
         # An old sidecar goes first and the new one comes last: a run stopped anywhere between leaves an archive
         # without one (a warning on restore), never one beside the wrong archive (a refusal).

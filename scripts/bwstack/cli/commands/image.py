@@ -28,7 +28,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
         help="use only IMAGE's layers (repeatable) as the build cache, e.g. the previous release",
     )
     build.add_argument(
-        "--context-dir", help="keep a copy of the build context in this new folder (Docker reads a private one)"
+        "--context-dir",
+        type=options.plain_path,
+        help="keep a copy of the build context in this new folder (Docker reads a private one)",
     )
 
     verify = sub.add_parser("verify", help="run the node checks and image checks against a container of IMAGE")
@@ -81,7 +83,9 @@ def _build_flags(p: argparse.ArgumentParser) -> None:
         "reaches the build outside the layer cache key, so any port keeps the cache)",
     )
     p.add_argument(
-        "--store", help=f"wheel store for downloads (default: bwstack's, e.g. {paths.DEFAULT_ROOT}/cache/wheels)"
+        "--store",
+        type=options.plain_path,
+        help=f"wheel store for downloads (default: bwstack's, e.g. {paths.DEFAULT_ROOT}/cache/wheels)",
     )
     p.add_argument("--quiet", action="store_true", help="do not stream the build's output")
     options.add_json(p)
