@@ -33,6 +33,10 @@ def test_the_generation_was_built_from_this_locks_closure(env, profile):
     gen = GenerationFacts.from_facts(env.get("generation"))
     if gen is None:
         pytest.skip("the env is not a bwstack generation: nothing records what it was built from")
+    assert env["generation"].get("record_sealed") is not False, (
+        f"generation {gen.name}'s record.json changed since it was sealed: what it says it was built from cannot "
+        f"be believed (`bwstack generations` names the change)"
+    )
     if gen.profile != profile.name or gen.lock_digest is None:
         pytest.skip(f"generation {gen.name} was not built from profile {profile.name} (the version checks judge it)")
     want = profile.lock_digest()

@@ -206,6 +206,30 @@ def test_a_later_hard_link_to_a_sealed_file_is_compared_once_then_the_verify_is_
 
 
 @needs_py312
+def test_a_verify_that_compared_only_the_env_does_not_vouch_for_a_record_changed_beside_it(built):
+    """The moment the bytes were last compared is the whole generation's: the store's check reads the record from
+    it on. A record rewritten in place (mtime put back) and then any env ctime moved: the verify compares env/,
+    and the store's check still finds the record."""
+    gen = _generation(built)
+    assert sealed.unchanged_generation(built.ml_env) is None
+    record = gen / "record.json"
+    st = os.lstat(record)
+    data = record.read_bytes()
+    _writable(record)
+    at = data.index(b"sha256:", data.index(b'"lock_digest"')) + len(b"sha256:")
+    other = b"0" if data[at : at + 1] != b"0" else b"1"  # another digest, the same size, still JSON
+    with open(record, "r+b") as handle:
+        handle.write(data[:at] + other + data[at + 1 :])
+    os.chmod(record, stat.S_IMODE(st.st_mode))
+    os.utime(record, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.link(_torch_version_py(gen), built.root / "a-later-link")
+    sealed.unchanged_generation(built.ml_env)
+    problems = Store(Layout(built.root, built.ml_env, None, None)).get(gen.name).verify("quick")
+    assert any(p.path == "record.json" and "content changed" in p.what for p in problems), problems
+    assert not sealed.record_as_sealed(gen)
+
+
+@needs_py312
 def test_a_record_of_when_the_bytes_were_compared_that_others_could_write_is_not_trusted(built):
     gen = _generation(built)
     assert sealed.unchanged_generation(built.ml_env) is None

@@ -109,6 +109,19 @@ def test_an_env_built_before_the_locks_wheel_hashes_changed_fails_the_lock_diges
     assert result.returncode == 1
 
 
+def test_a_record_edited_after_sealing_fails_the_lock_digest_check(stack):
+    """What the record says it was built from (its lock digest) is believed only as sealed: an edit that makes it
+    name this lock's digest does not pass the check."""
+    stack.build("fixture-new", check=True)
+    (gen,) = (p for p in (stack.root / "generations").iterdir() if p.is_dir())
+    record = gen / "record.json"
+    doc = json.loads(record.read_text())
+    record.chmod(0o644)
+    record.write_text(json.dumps({**doc, "verification": doc.get("verification")}, indent=2))  # other bytes
+    check = _checks(stack.run("verify", "--no-runtime", "--json"))["the_generation_was_built_from_this_locks_closure"]
+    assert check["outcome"] == "failed" and "record.json changed since it was sealed" in check["message"]
+
+
 def test_verify_runs_through_an_ansible_inventory_with_the_provision_spelling(stack, tmp_path):
     stack.build("fixture-new", check=True)
     inventory = tmp_path / "hosts.ini"

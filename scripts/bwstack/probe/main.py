@@ -130,7 +130,8 @@ def env_facts(env: Path, static: dict | None = None) -> dict:
     facts["installed"] = static["installed"] if static else installed_facts(env)
     gen = generation.read(real.parent)
     if gen is not None:
-        facts["generation"] = gen.as_dict()
+        # Whether what the record says (its lock digest, its profile) is what was sealed with the generation.
+        facts["generation"] = {**gen.as_dict(), "record_sealed": sealed.record_as_sealed(real.parent)}
     facts["torch_version_py"] = static["torch_version_py"] if static else _torch_version_py(sp)
     facts["store"] = store_facts(env)
     return facts

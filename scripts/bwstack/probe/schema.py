@@ -47,6 +47,7 @@ class GenerationFacts(TypedDict):
     lock_digest: str | None
     cuda_home: str | None
     verification: str | None
+    record_sealed: bool  # its record.json is the one its manifest holds
 
 
 class InstalledDist(TypedDict):

@@ -275,9 +275,40 @@ def _tree_changed(gen: Path, tree: dict) -> str | None:
     answer = f"generation {gen.name} changed since it was sealed (env/{found[0][0]}: {found[0][1]})" if found else True
     if key is not None and now != (method, digest):
         save_derived(gen / "env", key, answer)
-    if answer is True and readable:
+    if answer is True and readable and _beside_env_as_sealed(gen):
         record_hashed(gen, walked.newest_change)  # every change up to the walk has had its bytes compared
     return None if answer is True else answer
+
+
+def _beside_env_as_sealed(gen: Path) -> bool:
+    """The generation's own files beside env/ (its record, facts, toolkit link) are as its manifest says (a file
+    is hashed when its inode changed since the bytes were last compared): only then may a comparison of env/
+    vouch for the whole generation, whose record the store's own check reads from the same moment on."""
+    try:
+        names = os.listdir(gen)
+    except OSError:
+        return False
+    for name in names:
+        if name in (MANIFEST_NAME, "env"):
+            continue
+        row = _manifest_row(gen, name)
+        if row is None:
+            return False
+        if row[1] == "l":
+            try:
+                if not stat.S_ISLNK(os.lstat(gen / name).st_mode) or os.readlink(gen / name) != row[4]:
+                    return False
+            except OSError:
+                return False
+        elif not _matches_row(gen / name, row):
+            return False
+    return True
+
+
+def record_as_sealed(gen: Path) -> bool:
+    """The generation's record.json is the one its manifest holds (what it says it was built from can be
+    believed)."""
+    return _matches_row(gen / "record.json", _manifest_row(gen, "record.json"))
 
 
 HASHED_SUFFIX = ".hashed"  # <generation>.hashed in the derived folder: hashed_before's record
