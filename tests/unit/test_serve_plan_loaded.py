@@ -170,6 +170,31 @@ def test_a_model_folder_whose_config_changed_is_planned_again(built, planner, tm
     assert planner == [1, 1, 1]
 
 
+def _rewritten_in_place(path: Path) -> None:
+    st = os.lstat(path)
+    with open(path, "r+") as handle:
+        handle.write('{"architectures": ["DeepseekV3ForCausalLM"]')
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@needs_py312
+@pytest.mark.parametrize("where", ["behind-a-link", "in-a-subfolder"])
+def test_a_model_config_changed_behind_a_link_or_in_a_subfolder_is_planned_again(built, planner, tmp_path, where):
+    """The HF cache keeps config.json as a link into blobs/; some checkpoints keep configs in subfolders."""
+    folder = tmp_path / "model"
+    (folder / "original").mkdir(parents=True)
+    blob = tmp_path / "blobs" / "abc"
+    blob.parent.mkdir()
+    blob.write_text('{"architectures": ["LlamaForCausalLM"]}\n')
+    (folder / "config.json").symlink_to(blob)
+    (folder / "original" / "params.json").write_text('{"dim": 4096}\n')
+    job = {"device": DEVICE, "requests": [{"id": "model-0", "model": str(folder), "tp": 8}]}
+    probe.collect(built.ml_env, CAPABILITY, runtime=False, imports=False, serve_plan=job)
+    _rewritten_in_place(blob if where == "behind-a-link" else folder / "original" / "params.json")
+    probe.collect(built.ml_env, CAPABILITY, runtime=False, imports=False, serve_plan=job)
+    assert planner == [1, 1]
+
+
 # Which profile's models a node plans: the node's env is judged against the profile its generation was built from
 # (or, adopted, is nearest to), which only the node knows; the controller sends every profile's job.
 JOBS = {

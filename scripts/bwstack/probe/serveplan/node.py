@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import re
+import stat
 import subprocess
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -535,17 +536,34 @@ def model_folders(job: dict) -> list:
     return out
 
 
+FOLDER_STAMP_MAX = 20_000  # entries: a model folder holds configs and shards, not a tree of this size
+
+
 def _folder_stamp(path: str) -> list:
+    """Every entry under the folder (its subfolders too), with its stat and, for a link, the stat of what it
+    leads to: the HF cache keeps `config.json` as a link into `blobs/`, rewritten there."""
     try:
         st = os.stat(path)
-        names = sorted(os.listdir(path))
     except OSError as exc:
         return [f"unreadable: {exc.strerror}"]
     entries: list = [[".", st.st_mode, st.st_ino, st.st_mtime_ns, st.st_ctime_ns]]
-    for name in names:
-        with contextlib.suppress(OSError):
-            st = os.lstat(os.path.join(path, name))
-            entries.append([name, st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns])
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames.sort()
+        for name in sorted(dirnames + filenames):
+            full = os.path.join(dirpath, name)
+            with contextlib.suppress(OSError):
+                st = os.lstat(full)
+                entry = [os.path.relpath(full, path), st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+                if stat.S_ISLNK(st.st_mode):
+                    entry.append(os.readlink(full))
+                    try:
+                        to = os.stat(full)
+                        entry += [to.st_ino, to.st_size, to.st_mtime_ns, to.st_ctime_ns]
+                    except OSError:
+                        entry.append("dangling")
+                entries.append(entry)
+            if len(entries) > FOLDER_STAMP_MAX:
+                return [*entries, "cut"]
     return entries
 
 
