@@ -308,7 +308,7 @@ def _beside_env_as_sealed(gen: Path) -> bool:
 def record_as_sealed(gen: Path) -> bool:
     """The generation's record.json is the one its manifest holds (what it says it was built from can be
     believed)."""
-    return _matches_row(gen / "record.json", _manifest_row(gen, "record.json"))
+    return _matches_row(gen / RECORD_NAME, _manifest_row(gen, RECORD_NAME))
 
 
 HASHED_SUFFIX = ".hashed"  # <generation>.hashed in the derived folder: hashed_before's record
@@ -325,9 +325,7 @@ def hashed_before(gen: Path) -> int:
     its manifest was written, when every file had just been hashed."""
     path = _hashed_path(gen)
     try:
-        st = os.lstat(path)
-        owner = os.stat(path.parent.parent.parent)  # the store root: only its owner may write the record
-        if stat.S_ISREG(st.st_mode) and not st.st_mode & 0o022 and st.st_uid == owner.st_uid:
+        if _written_by_the_store(path):
             value = int(treecheck.read_bounded(path, 64, "the hashed record").decode().strip())
             if value > 0:
                 return value
@@ -586,11 +584,17 @@ def derived_key(env: Path | None, kind: str, *inputs: object, base: list | None 
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def _written_by_the_store(path: Path) -> bool:
+    """A file of the store's cache/verify-facts that only the store root's owner could have written: a regular
+    file of that owner's, writable by nobody else."""
+    st = os.lstat(path)
+    owner = os.stat(path.parent.parent.parent)
+    return stat.S_ISREG(st.st_mode) and not st.st_mode & 0o022 and st.st_uid == owner.st_uid
+
+
 def _read_derived(path: Path) -> dict:
     try:
-        st = os.lstat(path)
-        owner = os.stat(path.parent.parent.parent)  # the store root: only its owner may write the cache
-        if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o022 or st.st_uid != owner.st_uid:
+        if not _written_by_the_store(path):
             return {}
         doc = json.loads(treecheck.read_bounded(path, MAX_FACTS_BYTES, "the verify cache"))
     except (OSError, ValueError):
