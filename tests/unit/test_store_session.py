@@ -4,12 +4,13 @@ interrupted run left, saying so through the caller's log) and releases the lock 
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import pytest
 from helpers import bwstack
 
-from bwstack.errors import BusyError
+from bwstack.errors import BusyError, UsageError
 from bwstack.store.generations import BUILDING_PREFIX
 from bwstack.store.layout import Layout
 from bwstack.store.session import open_store
@@ -40,18 +41,34 @@ def _sticky_shared(folder: Path) -> None:
     (folder / "someone-elses-file").write_text("")
 
 
-@pytest.mark.parametrize("prepare", [_a_home, _sticky_shared], ids=["a-home-folder", "a-shared-sticky-folder"])
+def _a_home_with_a_tool_folder(folder: Path) -> None:
+    _a_home(folder)
+    (folder / "tool").mkdir()
+
+
+def _a_project_beside_a_lock(folder: Path) -> None:
+    folder.mkdir()
+    (folder / "stack.lock.yaml").write_text("")
+    (folder / "README.md").write_text("")
+
+
+@pytest.mark.parametrize(
+    "prepare",
+    [_a_home, _sticky_shared, _a_home_with_a_tool_folder, _a_project_beside_a_lock],
+    ids=["a-home-folder", "a-shared-sticky-folder", "a-home-holding-a-store-name", "a-project-holding-a-lock"],
+)
 @pytest.mark.parametrize("command", [["prune", "--keep", "1"], ["backup"]], ids=["prune", "backup"])
 def test_a_root_of_other_files_is_refused_and_left_as_it_was(tmp_path, prepare, command, monkeypatch):
     """A mistyped --root (a home, /tmp): opening a store makes its root 0755 and leaves the run lock and
-    generations/ in it. A folder that holds other files and nothing of a store is refused before any of that."""
+    generations/ in it. A folder that holds anything a store does not hold is refused before any of that, even
+    beside a name a store uses."""
     root = tmp_path / "not-a-store"
     prepare(root)
     before = {p.name: p.stat().st_mode for p in [root, *root.iterdir()]}
     monkeypatch.setenv("BWSTACK_CACHE", str(tmp_path / "cache"))
     result = bwstack(*command, "--root", str(root), "--ml-env", str(tmp_path / "ml-env"))
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
-    assert f"store root {root} holds other files" in result.stderr and "nothing of a bwstack store" in result.stderr
+    assert f"store root {root} holds other files" in result.stderr and "beside what bwstack keeps" in result.stderr
     assert {p.name: p.stat().st_mode for p in [root, *root.iterdir()]} == before
 
 
@@ -63,3 +80,48 @@ def test_a_root_holding_what_bwstack_puts_in_a_store_opens(tmp_path, kept):
     (layout.root / kept).mkdir()
     with open_store(layout, lambda _line: None) as store:
         assert store.layout.generations.is_dir()
+
+
+@pytest.mark.parametrize(
+    "passing", [".history.jsonl.k3j2_x.tmp", ".archives.jsonl.a8Zq.partial", ".ansible_tmpq1w2stack.lock.yaml"]
+)
+def test_a_root_holding_a_write_in_progress_opens(tmp_path, passing):
+    """An atomic write killed halfway (bwstack's own, or Ansible's copy of the lock) leaves a hidden temporary
+    file of a store's name behind; the store is still the store."""
+    layout = Layout(tmp_path / "root", tmp_path / "ml-env", None, None)
+    layout.root.mkdir()
+    (layout.root / "generations").mkdir()
+    (layout.root / passing).write_text("")
+    with open_store(layout, lambda _line: None) as store:
+        assert store.layout.generations.is_dir()
+
+
+@pytest.mark.parametrize("hidden", [".netrc.x.tmp", ".bashrc", ".tool.abc.tmp.keep"])
+def test_a_hidden_file_not_of_a_store_is_refused(tmp_path, hidden):
+    layout = Layout(tmp_path / "root", tmp_path / "ml-env", None, None)
+    layout.root.mkdir()
+    (layout.root / "generations").mkdir()
+    (layout.root / hidden).write_text("")
+    with pytest.raises(UsageError, match="holds other files"), open_store(layout, lambda _line: None):
+        pass
+    assert not (layout.root / "bwstack.lock").exists()
+
+
+def test_a_root_another_user_owns_is_refused_and_left_as_it_was(tmp_path):
+    """Another user's store is theirs: root running bwstack would otherwise take the lock in it and write
+    generations/ into a folder that user controls."""
+    layout = Layout(tmp_path / "root", tmp_path / "ml-env", None, None)
+    layout.root.mkdir(mode=0o700)
+    os.chown(layout.root, 65534, 65534)
+    with pytest.raises(UsageError, match=r"belongs to uid 65534, not to this user"), open_store(layout, print):
+        pass
+    assert os.listdir(layout.root) == [] and stat.S_IMODE(os.stat(layout.root).st_mode) == 0o700
+
+
+def test_a_root_that_is_a_link_is_refused(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "root").symlink_to("real")
+    layout = Layout(tmp_path / "root", tmp_path / "ml-env", None, None)
+    with pytest.raises(UsageError, match="is not a directory \\(a link or a file\\)"), open_store(layout, print):
+        pass
+    assert os.listdir(tmp_path / "real") == []

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import errno
 import os
+import re
+import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,8 +30,8 @@ Log = Callable[[str], None]
 @contextmanager
 def open_store(layout: Layout, log: Log = print) -> Iterator[Store]:
     """The store at `layout`, locked for this run, prepared, with any interrupted adoption finished."""
-    check_cache(layout)
     check_store_root(layout)
+    check_cache(layout)
     with RunLock(layout.root):
         store = Store(layout, log)
         store.prepare()
@@ -39,29 +41,48 @@ def open_store(layout: Layout, log: Log = print) -> Iterator[Store]:
 
 # What a store's root holds (bwstack puts each there: the node's tool, lock and receipt, the default cache, ...).
 STORE_NAMES = frozenset(
-    {"generations", LOCK_NAME, "current", "cache", "history.jsonl", "tool", "dist", "stack.lock.yaml",
-     "provisioned.json", "waivers.json"}
+    {"generations", LOCK_NAME, "current", "cache", "history.jsonl", "archives.jsonl", "tool", "dist",
+     "stack.lock.yaml", "provisioned.json", "waivers.json"}
 )  # fmt: skip
+# What a write into the root leaves for a moment: bwstack's atomic writes (`.<name>.<random>.tmp`, archives'
+# `.partial`) and Ansible's copy of the lock or wheel (`.ansible_tmp<random><name>`).
+_PASSING = re.compile(r"\.(?:(?P<name>[^/]+?)\.[^./]+\.(?:tmp|partial)|ansible_tmp[^/]*)")
+
+
+def _a_store_entry(name: str) -> bool:
+    if name in STORE_NAMES:
+        return True
+    passing = _PASSING.fullmatch(name)
+    return passing is not None and (passing["name"] is None or passing["name"] in STORE_NAMES)
 
 
 def check_store_root(layout: Layout) -> None:
-    """The store's root is new, empty or a store already (it holds what bwstack puts in one). Opening a store
-    makes the root 0755 and leaves its lock and generations/ there: a mistyped --root naming a folder of other
-    files (a home, /tmp) would be opened up to everyone and left holding the store's files."""
+    """The store's root is new, empty or a store already: it holds only what bwstack puts in one, and it belongs
+    to the user running bwstack. Opening a store makes the root 0755 and leaves its lock and generations/ there:
+    a mistyped --root naming a folder of other files (a home, /tmp, a folder that happens to hold a `tool/`)
+    would be opened up to everyone and left holding the store's files, and a root another user owns is their
+    store, not this run's."""
     root = layout.root
     try:
-        entries = os.listdir(root)
+        st = os.lstat(root)
+        entries = os.listdir(root) if stat.S_ISDIR(st.st_mode) else None
     except FileNotFoundError:
         return
-    except NotADirectoryError:
-        raise UsageError(f"store root {root} is not a directory") from None
     except OSError as exc:
         raise UsageError(f"store root {root}: {exc.strerror or exc}") from None
-    if entries and STORE_NAMES.isdisjoint(entries):
-        shown = ", ".join(sorted(entries)[:3]) + (", ..." if len(entries) > 3 else "")
+    if entries is None:
+        raise UsageError(f"store root {root} is not a directory (a link or a file): name the folder itself (--root)")
+    if st.st_uid != os.geteuid():
         raise UsageError(
-            f"store root {root} holds other files ({shown}) and nothing of a bwstack store: name a new or empty "
-            f"folder (--root)"
+            f"store root {root} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}): another user's "
+            f"store is theirs to change; name a folder of your own (--root)"
+        )
+    others = sorted(name for name in entries if not _a_store_entry(name))
+    if others:
+        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        raise UsageError(
+            f"store root {root} holds other files ({shown}) beside what bwstack keeps in a store: name a new or "
+            f"empty folder, or the store itself (--root)"
         )
 
 
