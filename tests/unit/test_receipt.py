@@ -173,3 +173,71 @@ def test_a_watched_link_is_fingerprinted_with_what_it_points_to(tmp_path: Path):
     before = fingerprint(str(tmp_path / "link"))
     (tmp_path / "a").write_text("two")
     assert before.startswith("l:a -> f:") and fingerprint(str(tmp_path / "link")) != before
+
+
+RECORDED_INFORMATION = Path(__file__).parents[1] / "fixtures" / "proc-nvidia-gpus" / "h200-information"
+
+
+def _driver_gpus(folder: Path, *bus_ids: str, edit=lambda text: text) -> Path:
+    """A /proc/driver/nvidia/gpus of the recorded H200's `information` (fixture), one folder per bus id."""
+    for bus in bus_ids:
+        (folder / bus).mkdir(parents=True)
+        text = RECORDED_INFORMATION.read_text().replace("0000:00:06.0", bus)
+        (folder / bus / "information").write_text(edit(text))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("after", "same"),
+    [
+        (
+            lambda f: _driver_gpus(
+                f, "0000:00:06.0", "0000:00:07.0", edit=lambda t: t.replace("IRQ:   \t\t 41", "IRQ: 99")
+            ),
+            True,
+        ),
+        (lambda f: _driver_gpus(f, "0000:00:06.0"), False),
+        (
+            lambda f: _driver_gpus(f, "0000:00:06.0", "0000:00:07.0", edit=lambda t: t.replace("H200", "RTX PRO 6000")),
+            False,
+        ),
+        (
+            lambda f: _driver_gpus(f, "0000:00:06.0", "0000:00:07.0", edit=lambda t: t.replace("GPU-2120", "GPU-9999")),
+            False,
+        ),
+        (
+            lambda f: _driver_gpus(
+                f, "0000:00:06.0", "0000:00:07.0", edit=lambda t: t.replace("Excluded:\t No", "Excluded:\t Yes")
+            ),
+            False,
+        ),
+        (lambda f: f, False),
+    ],
+    ids=[
+        "its-irq-moved-at-a-reboot",
+        "a-gpu-removed",
+        "a-gpu-of-another-model",
+        "a-gpu-swapped-for-one-alike",
+        "a-gpu-excluded",
+        "the-driver-unloaded",
+    ],
+)
+def test_the_gpus_the_driver_drives_are_fingerprinted_by_which_and_where(tmp_path: Path, after, same):
+    """The converged run skips preflight, which judged the GPUs' model and count; a change to which GPUs are
+    there is a change, a reboot's new IRQ numbers are not."""
+    from bwstack.provision.receipt import gpus
+
+    before = gpus(str(_driver_gpus(tmp_path / "before", "0000:00:06.0", "0000:00:07.0")))
+    now = gpus(str(after(tmp_path / "after")))
+    assert before.startswith("g:") and (now == before) is same
+
+
+def test_a_node_without_the_nvidia_driver_has_no_gpus_to_fingerprint(tmp_path: Path):
+    from bwstack.provision.receipt import gpus
+
+    assert gpus(str(tmp_path / "no-such-folder")) == "absent"
+
+
+def test_the_receipt_records_the_gpus(node):
+    _receipt(node, "--write")
+    assert "gpus" in json.loads((node.root / "provisioned.json").read_text())["items"]

@@ -5,7 +5,7 @@ A full provision run that verified ends by writing `<root>/provisioned.json`: th
 and a fingerprint of each thing the run made: the active generation (its link, and its tree against the
 facts sealed with it), the env and CUDA links, and the files and directories the play names (the node's lock
 copy, the tool venv's wheel record, the PATH wrapper, the CUDA toolkit, the package database, the
-remembered waivers).
+remembered waivers), with the GPUs the driver drives (which the skipped preflight would judge again).
 
 The next run asks first (`bwstack receipt --check`). Same inputs and every fingerprint unchanged: no role
 could change anything, so the play goes straight to verify, which still checks the node for real. Anything
@@ -35,6 +35,11 @@ NAME = "provisioned.json"
 FORMAT = 1
 MAX_BYTES = 1 << 20
 HASHED_FILE_LIMIT = 64 << 20  # larger files are fingerprinted by their stat, not their bytes
+# One folder per GPU the driver drives, named by its bus id, each with an `information` file.
+GPUS = "/proc/driver/nvidia/gpus"
+# The lines of `information` that say which GPU sits where (its IRQ and DMA fields may change at a reboot).
+GPU_FIELDS = ("Model", "GPU UUID", "Bus Location", "Device Minor", "GPU Excluded")
+MAX_GPUS = 256
 
 
 @dataclass(frozen=True)
@@ -106,12 +111,52 @@ def _pseudo_file_digest(path: str) -> str:
     return digest.hexdigest()
 
 
+def gpus(folder: str = GPUS) -> str:
+    """Which GPUs the driver drives, and where: what the skipped preflight judged (their model and count). A GPU
+    swapped, added, removed or excluded is a change. Read from the driver's own files, not nvidia-smi, so that
+    the converged check costs no process start."""
+    try:
+        names = sorted(os.listdir(folder))
+    except FileNotFoundError:
+        return "absent"
+    except OSError as exc:
+        return f"unreadable: {exc.strerror}"
+    if len(names) > MAX_GPUS:
+        return f"unreadable: {len(names)} entries"
+    rows = []
+    for name in names:
+        text = _pseudo_file_text(os.path.join(folder, name, "information"))
+        fields = {}
+        for line in text.splitlines():
+            key, sep, value = line.partition(":")
+            if sep and key.strip() in GPU_FIELDS:
+                fields[key.strip()] = " ".join(value.split())
+        rows.append(
+            f"{name}=" + ";".join(f"{k}:{fields.get(k, '?')}" for k in GPU_FIELDS) if fields else f"{name}={text}"
+        )
+    return "g:" + hashlib.sha256("\n".join(rows).encode()).hexdigest()
+
+
+def _pseudo_file_text(path: str) -> str:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        return f"unreadable: {exc.strerror}"
+    try:
+        return os.read(fd, 1 << 16).decode("utf-8", "replace")
+    except OSError as exc:
+        return f"unreadable: {exc.strerror}"
+    finally:
+        os.close(fd)
+
+
 def observe(layout: Layout, watch: list[str]) -> tuple[dict[str, str], str | None]:
     """The node's fingerprints, and why the active generation cannot be trusted unchanged (None: it can)."""
     items = {
         "current": _link(layout.current),
         "ml-env": _link(layout.ml_env),
         "cuda-link": _link(layout.cuda_link),
+        "gpus": gpus(),
     }
     problem = Store(layout, log=lambda _message: None).current_problem()
     target = layout.current.parent / items["current"][2:] if items["current"].startswith("l:") else None
