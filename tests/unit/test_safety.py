@@ -171,6 +171,24 @@ def test_an_interrupted_adoption_is_finished_only_for_the_env_the_store_adopts(s
     assert _active_imports(stack) == "2.9.1"  # the hand-made env, still where it was
 
 
+def test_a_file_rewritten_while_an_interrupted_adoption_waited_is_found_once_it_is_finished(stack):
+    """The hand-made env waits outside the store until a later run finishes its adoption, writable by whoever
+    made it. Finishing links its files into the store (which moves their inode change times); the store vouches
+    for those times only when no file had changed since the adoption hashed it."""
+    _hand_made_env(stack)
+    killed = stack.run("adopt", extra_env={"BWSTACK_TEST_KILL_AT": "adopt-before-exchange"})
+    assert killed.returncode == -signal.SIGKILL
+    victim = next(stack.ml_env.glob("lib/python3.*/site-packages/fixture_dep/__init__.py"))
+    st = victim.stat()
+    victim.write_bytes(b"9" * st.st_size)  # same size, and the mtime put back
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    stack.run("prune", "--keep", "5", check=True)  # a command that opens the store finishes the adoption
+    gen = _store(stack).generations()[0]
+    assert gen.record.adopted_from == str(stack.ml_env) and not gen.env.is_symlink()
+    result = stack.run("generations", "--check")
+    assert "fixture_dep/__init__.py" in result.stdout, result.stdout
+
+
 def test_the_kill_tests_cover_more_than_twenty_points():
     assert len(KILL_POINTS) + 12 + 2 >= 20
 

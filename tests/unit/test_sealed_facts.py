@@ -773,3 +773,17 @@ def test_a_toolkit_that_changes_often_keeps_one_compile_entry_not_crowding_the_c
     cache = json.loads(sealed.derived_cache(built.ml_env).read_text())
     compiles = [v for v in cache.values() if isinstance(v["value"], dict) and "inputs" in v["value"]]
     assert len(compiles) == 1 and _compiles(toolkit) == sealed.DERIVED_KEEP + 2
+
+
+def test_a_change_right_after_the_store_records_a_comparison_is_later_than_the_record(built):
+    """Inode times come from the filesystem's clock (a file server's, a coarse tick), which may lag this host's:
+    a moment read from time.time_ns() could be later than the inode change time of a file written just after
+    it. The record takes its moment from the filesystem's own stamp, less one, so a change in the same tick
+    still counts as later. (This machine's clock does not lag; the test holds the rule, not the hazard.)"""
+    gen = _generation(built)
+    path = _torch_version_py(gen)
+    _writable(path)
+    for _ in range(20):
+        sealed.record_hashed(gen, None)
+        os.chmod(path, 0o644)  # moves the ctime at once
+        assert os.lstat(path).st_ctime_ns > sealed.hashed_before(gen)

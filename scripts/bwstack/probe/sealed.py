@@ -337,16 +337,27 @@ def hashed_before(gen: Path) -> int:
         return 0
 
 
-def record_hashed(gen: Path, moment: int) -> None:
-    """Best effort, the store's owner only: every change up to `moment` has had its bytes compared."""
+def record_hashed(gen: Path, moment: int | None) -> None:
+    """Best effort, the store's owner only: every change up to `moment` has had its bytes compared. None: up to
+    now, read from the filesystem's own clock (the inode change time of the record as it is written, less one).
+    Inode times come from the file server's clock on a network filesystem and from a coarse tick on some
+    kernels: a change just after a reading of time.time_ns() could carry an earlier time and be vouched for. Less
+    one: a change in the same tick as the record counts as later."""
     path = _hashed_path(gen)
     try:
-        if moment <= hashed_before(gen) or os.geteuid() != os.stat(path.parent.parent.parent).st_uid:
+        if (moment is not None and moment <= hashed_before(gen)) or os.geteuid() != os.stat(
+            path.parent.parent.parent
+        ).st_uid:
             return
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         with os.fdopen(fd, "w") as out:
+            if moment is None:
+                moment = os.fstat(out.fileno()).st_ctime_ns - 1
+                if moment <= hashed_before(gen):
+                    os.unlink(tmp)
+                    return
             out.write(f"{moment}\n")
         os.replace(tmp, path)
     except OSError:

@@ -223,6 +223,18 @@ class HistoryEntry:
     why: str
 
 
+def _changed_since(base: Path, entries: list[manifest.Entry], moment: int) -> bool:
+    """Whether the inode of any file the manifest lists changed after `moment` (or cannot be read)."""
+    for entry in entries:
+        if entry.kind == "f":
+            try:
+                if os.lstat(base / entry.path).st_ctime_ns > moment:
+                    return True
+            except OSError:
+                return True
+    return False
+
+
 class Store:
     def __init__(self, layout: Layout, log=print) -> None:
         self.layout = layout
@@ -442,11 +454,15 @@ class Store:
         """Second names for every file of a committed generation (repair after drift) and its hashes for the
         next build, anchored at the generation's final paths."""
         entries = gen.manifest_entries()
+        # Linking moves every file's inode change time, which is how a verify finds a file rewritten in place
+        # with its mtime put back. Read them first: only when none moved since the bytes were last compared (the
+        # manifest was written, for a new generation) may the store vouch for the links' new times. An adopted
+        # env waited outside the store when a kill interrupted its adoption, for anyone who could write it.
+        untouched = not _changed_since(gen.path, entries, sealed.hashed_before(gen.path))
         self.layout.objects.add_all(gen.path, entries)
         manifest.HashCache(self.layout.cache / "file-hashes.json").add(gen.path, entries)
-        # Linking moved the files' inode change times; their bytes are the ones just hashed (or restored from
-        # objects of that hash), so a verify need not hash them again for it.
-        sealed.record_hashed(gen.path, time.time_ns())
+        if untouched:
+            sealed.record_hashed(gen.path, None)
 
     # -- switching ---------------------------------------------------------------------------------
 
