@@ -195,6 +195,44 @@ def test_a_model_config_changed_behind_a_link_or_in_a_subfolder_is_planned_again
     assert planner == [1, 1]
 
 
+def _hub_cache(hub: Path, repo_id: str, config: str) -> Path:
+    """A model as huggingface_hub caches it: snapshots/<revision>/config.json, a link into blobs/."""
+    repo = hub / ("models--" + repo_id.replace("/", "--"))
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "snapshots" / "0123abcd").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    (repo / "blobs" / "c0ffee").write_text(config)
+    (repo / "snapshots" / "0123abcd" / "config.json").symlink_to("../../blobs/c0ffee")
+    return repo
+
+
+@needs_py312
+@pytest.mark.parametrize(
+    "setting", ["HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"], ids=["hub-cache", "hf-home", "xdg-cache-home"]
+)
+def test_a_model_named_by_its_hub_id_is_planned_again_when_its_cached_config_changed(
+    built, planner, tmp_path, monkeypatch, setting
+):
+    """The planner reads a hub id's config offline from the HF cache (HF_HUB_OFFLINE): a new revision pulled
+    there, or its blob rewritten, is another model to plan."""
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(setting, str(tmp_path / "cache"))
+    hub = {"HF_HUB_CACHE": tmp_path / "cache", "HF_HOME": tmp_path / "cache" / "hub"}.get(
+        setting, tmp_path / "cache" / "huggingface" / "hub"
+    )
+    repo = _hub_cache(hub, "acme/tiny-llama", '{"architectures": ["LlamaForCausalLM"]}\n')
+    assert node.hub_cache_folder("acme/tiny-llama", os.environ) == repo
+    job = {"device": DEVICE, "requests": [{"id": "model-0", "model": "acme/tiny-llama", "tp": 8}]}
+    probe.collect(built.ml_env, CAPABILITY, runtime=False, imports=False, serve_plan=job)
+    again = probe.collect(built.ml_env, CAPABILITY, runtime=False, imports=False, serve_plan=job)
+    assert again["facts_source"].get("serve_plan") == "recorded" and planner == [1]
+    _rewritten_in_place(repo / "blobs" / "c0ffee")
+    probe.collect(built.ml_env, CAPABILITY, runtime=False, imports=False, serve_plan=job)
+    assert planner == [1, 1]
+
+
 # Which profile's models a node plans: the node's env is judged against the profile its generation was built from
 # (or, adopted, is nearest to), which only the node knows; the controller sends every profile's job.
 JOBS = {

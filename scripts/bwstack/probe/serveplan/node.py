@@ -18,6 +18,7 @@ import re
 import stat
 import subprocess
 import tempfile
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TypedDict
@@ -523,17 +524,39 @@ def plan_key(env: Path | None, job: dict, gpu: object, cuda: object, base: list 
     return sealed.derived_key(env, "serve-plan", job, gpu, cuda, model_folders(job), base=base)
 
 
-def model_folders(job: dict) -> list:
-    """The model folders a job names by path (a model or draft given as /path), each with the stat of every entry
-    in it: SGLang plans from their config files, which whoever owns the folder can change. A plan recorded
-    before such a change is not the folder's plan any more."""
+def model_folders(job: dict, environ: Mapping[str, str] | None = None) -> list:
+    """The model folders a job's models are read from, each with the stat of every entry in it: SGLang plans from
+    their config files, which whoever owns the folder can change. A plan recorded before such a change is not
+    the folder's plan any more. A model or draft given as /path is that folder; one given by its hub id is read
+    offline from the HF cache (the planner runs with HF_HUB_OFFLINE), or from a folder of that name under the
+    planner's working directory, "/". The bundled reference models are the probe's own files."""
     out: list = []
+    references_ = references.reference_names()
     for request in job.get("requests") or []:
         for key in ("model", "draft"):
             value = request.get(key) if isinstance(request, dict) else None
-            if isinstance(value, str) and value.startswith("/"):
+            if not isinstance(value, str) or not value or value in references_:
+                continue
+            if value.startswith("/"):
                 out.append([value, _folder_stamp(value)])
+            else:
+                cached = hub_cache_folder(value, os.environ if environ is None else environ)
+                out.append([value, _folder_stamp(os.path.join("/", value)), str(cached), _folder_stamp(str(cached))])
     return out
+
+
+def hub_cache_folder(repo_id: str, environ: Mapping[str, str]) -> Path:
+    """Where huggingface_hub keeps a model repository: HF_HUB_CACHE (HUGGINGFACE_HUB_CACHE before it), else
+    <HF_HOME>/hub, HF_HOME being <XDG_CACHE_HOME or ~/.cache>/huggingface; the repository's folder is
+    models--<org>--<name>."""
+    hub = environ.get("HF_HUB_CACHE") or environ.get("HUGGINGFACE_HUB_CACHE")
+    if not hub:
+        home = environ.get("HF_HOME") or os.path.join(
+            environ.get("XDG_CACHE_HOME") or os.path.join(environ.get("HOME") or os.path.expanduser("~"), ".cache"),
+            "huggingface",
+        )
+        hub = os.path.join(home, "hub")
+    return Path(os.path.expanduser(hub)) / ("models--" + repo_id.replace("/", "--"))
 
 
 FOLDER_STAMP_MAX = 20_000  # entries: a model folder holds configs and shards, not a tree of this size
