@@ -7,6 +7,7 @@ whole or undone and touches only links this store owns.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -348,6 +349,39 @@ def test_adopt_refuses_an_env_whose_site_packages_leads_out_of_it(stack, tmp_pat
     result = stack.run("adopt")
     assert result.returncode == 2 and not list(elsewhere.iterdir()) and (stack.ml_env / "pyvenv.cfg").is_file()
     assert "leads out of the env" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+@contextlib.contextmanager
+def _mounted(folder: Path):
+    """A tmpfs mounted at `folder` (as a FUSE server its user mounted would be: a filesystem of its own)."""
+    folder.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "bwstack-test", str(folder)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def test_adopt_refuses_an_env_with_a_filesystem_mounted_inside_it(stack):
+    """Whoever serves a mounted filesystem answers every stat and read: what adopt hashed need not be what runs."""
+    from bwstack.provision.envbuild import find_python
+
+    subprocess.run([find_python("3.12"), "-m", "venv", "--without-pip", str(stack.ml_env)], check=True)
+    with _mounted(next(stack.ml_env.glob("lib/python3.*/site-packages")) / "served") as mount:
+        (mount / "module.py").write_text("X = 1\n")
+        result = stack.run("adopt")
+        assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert f"{mount}: another filesystem is mounted there" in result.stderr
+        assert not stack.ml_env.is_symlink() and not list((stack.root / "generations").glob("0*"))
+
+
+def test_a_filesystem_mounted_inside_a_sealed_generation_is_a_difference(two):
+    _stack, old, _new = two
+    with _mounted(_site(old) / "served"):
+        problems = old.verify("quick")
+    assert any(p.path.endswith("site-packages/served") and "another filesystem is mounted" in p.what for p in problems)
 
 
 # ------------------------------------------------------------------------------------------------ objects

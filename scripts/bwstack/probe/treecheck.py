@@ -144,14 +144,22 @@ def _read_fd(fd: int, limit: int, what: str) -> bytes:
         os.close(fd)
 
 
+class OtherFilesystem(ValueError):
+    """A filesystem is mounted inside a tree that must be one filesystem: whoever serves it (a FUSE server
+    runs as the user who mounted it) answers every stat and read as it likes, so what was hashed need not be
+    what is run, and nothing would show the change."""
+
+
 def walk(
-    root: Path, *, skip_top: Iterable[str] = (), skip_dirs: Iterable[str] = ()
+    root: Path, *, skip_top: Iterable[str] = (), skip_dirs: Iterable[str] = (), one_filesystem: bool = False
 ) -> Iterator[tuple[str, os.stat_result]]:
     """(relative path, lstat) of root itself ("."), then everything under it in a stable order. Never follows
-    a link. `skip_top` names entries of the root to leave out; `skip_dirs` directory names to leave out."""
+    a link. `skip_top` names entries of the root to leave out; `skip_dirs` directory names to leave out.
+    `one_filesystem`: OtherFilesystem at the first path on another filesystem than the root (a mount point)."""
     root_str = str(root)
     skip_top, skip_dirs = set(skip_top), set(skip_dirs)
-    yield ".", os.lstat(root_str)
+    top = os.lstat(root_str)
+    yield ".", top
     for dirpath, dirnames, filenames in os.walk(root_str):
         at_top = dirpath == root_str
         dirnames[:] = sorted(d for d in dirnames if d not in skip_dirs and not (at_top and d in skip_top))
@@ -159,7 +167,13 @@ def walk(
         names = sorted(dirnames) + sorted(f for f in filenames if not (at_top and f in skip_top))
         for name in names:
             rel = name if rel_dir == "." else f"{rel_dir}/{name}"
-            yield rel, os.lstat(os.path.join(dirpath, name))
+            st = os.lstat(os.path.join(dirpath, name))
+            if one_filesystem and st.st_dev != top.st_dev:
+                raise OtherFilesystem(
+                    f"{os.path.join(dirpath, name)}: another filesystem is mounted there, inside {root_str} "
+                    "(its files could change without a trace): unmount it"
+                )
+            yield rel, st
 
 
 def kind_of(st: os.stat_result) -> str:
@@ -234,6 +248,7 @@ def compared(
     suspects: list[Sequence] = []
     seen: set[str] = set()
     newest = 0
+    device = os.lstat(root).st_dev
     for rel, st in walk(root, skip_top=skip_top, skip_dirs=("__pycache__",) if legacy else ()):
         if legacy and rel == ".":
             continue
@@ -241,6 +256,8 @@ def compared(
         newest = max(newest, st.st_ctime_ns)
         row = expected.get(rel)
         what = "not in the manifest (added after the generation was sealed)" if row is None else None
+        if st.st_dev != device:  # its server answers stats and reads as it likes: nothing below it can be believed
+            what = "another filesystem is mounted here (its files could change without a trace)"
         what = what or compare(root, rel, st, row, legacy)
         if what:
             found.append((rel, what))

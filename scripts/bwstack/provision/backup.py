@@ -101,7 +101,10 @@ def adopt(store: Store, lock: Lock, log=print) -> Generation:
             f"copying it, so pass --root on the filesystem of {src}"
         )
     store.check_links(adopting=True)
-    foreign = take_ownership(src)
+    try:
+        foreign = take_ownership(src)
+    except treecheck.OtherFilesystem as exc:
+        raise UsageError(f"not adopting {src}: {exc}") from None
     if foreign:
         raise UsageError(
             f"{src}: {len(foreign)} paths belong to another user (e.g. {foreign[0]}); adopt it as root or as "

@@ -134,7 +134,7 @@ def build(
     known = known or {}
     entries: list[Entry | None] = []
     to_hash: list[tuple[int, str, os.stat_result]] = []
-    for rel, st in walk(root, skip_top=skip_top):
+    for rel, st in walk(root, skip_top=skip_top, one_filesystem=True):
         if stat.S_ISLNK(st.st_mode):
             entries.append(_entry(rel, "l", st, os.readlink(root / rel), size=0))
         elif stat.S_ISDIR(st.st_mode):

@@ -49,10 +49,11 @@ def seal(env: Path) -> None:
 
 
 def take_ownership(env: Path) -> list[str]:
-    """Make every path of `env` owned by this process's user (root), or name what another user owns."""
+    """Make every path of `env` owned by this process's user (root), or name what another user owns.
+    treecheck.OtherFilesystem when a filesystem is mounted inside it (its files are its server's to answer)."""
     uid, gid = os.geteuid(), os.getegid()
     foreign = []
-    for rel, st in treecheck.walk(env):
+    for rel, st in treecheck.walk(env, one_filesystem=True):
         if (st.st_uid, st.st_gid) != (uid, gid):
             if uid == 0:
                 os.lchown(env / rel, uid, gid)
