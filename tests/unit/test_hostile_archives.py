@@ -468,3 +468,14 @@ def test_an_archive_path_whose_folder_does_not_exist_is_refused_in_one_line(worl
     result = world["run"]("backup", "--archive", str(tmp_path / "no-such-folder" / "gen.tar.zst"))
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "cannot be written there" in result.stderr
+
+
+@pytest.mark.parametrize("where", [".", "generations", "cache"])
+def test_an_archive_path_inside_the_store_is_refused_in_one_line(world, where):
+    """The store's root holds only its own files (a store root holding others is refused), and an archive is the
+    copy meant to outlive the store."""
+    folder = world["tmp"] / "root" / where
+    before = sorted(p.name for p in folder.iterdir())
+    result = world["run"]("backup", "--archive", str(folder / "gen.tar.zst"))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "inside the store" in result.stderr and sorted(p.name for p in folder.iterdir()) == before

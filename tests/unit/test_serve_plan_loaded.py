@@ -207,6 +207,56 @@ def _hub_cache(hub: Path, repo_id: str, config: str) -> Path:
     return repo
 
 
+HF_SETTINGS = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME", "TRANSFORMERS_CACHE",
+               "PYTORCH_TRANSFORMERS_CACHE", "PYTORCH_PRETRAINED_BERT_CACHE")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("environ", "folders"),
+    [
+        ({"HOME": "/home/ml"}, ["/home/ml/.cache/huggingface/hub"]),
+        ({"HOME": "/home/ml", "XDG_CACHE_HOME": "/xdg"}, ["/xdg/huggingface/hub"]),
+        ({"HOME": "/home/ml", "HF_HOME": "~/hf"}, ["/home/ml/hf/hub"]),
+        ({"HOME": "/home/ml", "DISK": "/data", "HF_HOME": "$DISK/hf"}, ["/data/hf/hub"]),
+        ({"HOME": "/home/ml", "HF_HUB_CACHE": "${DISK}/hub", "DISK": "/d"}, ["/d/hub"]),
+        ({"HOME": "/home/ml", "HUGGINGFACE_HUB_CACHE": "/legacy"}, ["/legacy"]),
+        ({"HOME": "/home/ml", "HF_HOME": ""}, ["hub"]),
+        ({"HOME": "/home/ml", "TRANSFORMERS_CACHE": "/tc"}, ["/tc", "/home/ml/.cache/huggingface/hub"]),
+        ({"HOME": "/home/ml", "PYTORCH_TRANSFORMERS_CACHE": "/pt"}, ["/pt", "/home/ml/.cache/huggingface/hub"]),
+    ],
+    ids=[
+        "home",
+        "xdg",
+        "hf-home-tilde",
+        "hf-home-var",
+        "hub-cache-braced-var",
+        "legacy",
+        "empty-is-set",
+        "transformers-cache",
+        "pytorch-transformers-cache",
+    ],
+)
+def test_the_hf_cache_is_found_by_the_rules_of_huggingface_hub_and_transformers(environ, folders):
+    """As the env's huggingface_hub (constants.py) and transformers (utils/hub.py) find it."""
+    assert node.hub_cache_folders("acme/m", environ) == [Path(f) / "models--acme--m" for f in folders]
+
+
+@needs_py312
+def test_a_hub_model_is_keyed_by_the_cache_its_requests_environment_names(built, planner, tmp_path, monkeypatch):
+    """The lock's served model may set HF_HUB_CACHE in its own `env`: the planner reads that cache, not the one
+    of bwstack's environment."""
+    for name in HF_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "elsewhere"))
+    repo = _hub_cache(tmp_path / "own", "acme/tiny-llama", '{"architectures": ["LlamaForCausalLM"]}\n')
+    request = {"id": "model-0", "model": "acme/tiny-llama", "tp": 8, "env": {"HF_HUB_CACHE": str(tmp_path / "own")}}
+    job = {"device": DEVICE, "requests": [request]}
+    probe.collect(built.ml_env, CAPABILITY, runtime=False, imports=False, serve_plan=job)
+    _rewritten_in_place(repo / "blobs" / "c0ffee")
+    probe.collect(built.ml_env, CAPABILITY, runtime=False, imports=False, serve_plan=job)
+    assert planner == [1, 1]
+
+
 @needs_py312
 @pytest.mark.parametrize(
     "setting", ["HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"], ids=["hub-cache", "hf-home", "xdg-cache-home"]
@@ -216,14 +266,14 @@ def test_a_model_named_by_its_hub_id_is_planned_again_when_its_cached_config_cha
 ):
     """The planner reads a hub id's config offline from the HF cache (HF_HUB_OFFLINE): a new revision pulled
     there, or its blob rewritten, is another model to plan."""
-    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+    for name in HF_SETTINGS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(setting, str(tmp_path / "cache"))
     hub = {"HF_HUB_CACHE": tmp_path / "cache", "HF_HOME": tmp_path / "cache" / "hub"}.get(
         setting, tmp_path / "cache" / "huggingface" / "hub"
     )
     repo = _hub_cache(hub, "acme/tiny-llama", '{"architectures": ["LlamaForCausalLM"]}\n')
-    assert node.hub_cache_folder("acme/tiny-llama", os.environ) == repo
+    assert repo in node.hub_cache_folders("acme/tiny-llama", os.environ)
     job = {"device": DEVICE, "requests": [{"id": "model-0", "model": "acme/tiny-llama", "tp": 8}]}
     probe.collect(built.ml_env, CAPABILITY, runtime=False, imports=False, serve_plan=job)
     again = probe.collect(built.ml_env, CAPABILITY, runtime=False, imports=False, serve_plan=job)

@@ -53,12 +53,17 @@ def _a_project_beside_a_lock(folder: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "prepare",
-    [_a_home, _sticky_shared, _a_home_with_a_tool_folder, _a_project_beside_a_lock],
+    ("prepare", "why"),
+    [
+        (_a_home, "holds other files"),
+        (_sticky_shared, "is not this user's alone"),
+        (_a_home_with_a_tool_folder, "holds other files"),
+        (_a_project_beside_a_lock, "holds other files"),
+    ],
     ids=["a-home-folder", "a-shared-sticky-folder", "a-home-holding-a-store-name", "a-project-holding-a-lock"],
 )
 @pytest.mark.parametrize("command", [["prune", "--keep", "1"], ["backup"]], ids=["prune", "backup"])
-def test_a_root_of_other_files_is_refused_and_left_as_it_was(tmp_path, prepare, command, monkeypatch):
+def test_a_root_of_other_files_is_refused_and_left_as_it_was(tmp_path, prepare, why, command, monkeypatch):
     """A mistyped --root (a home, /tmp): opening a store makes its root 0755 and leaves the run lock and
     generations/ in it. A folder that holds anything a store does not hold is refused before any of that, even
     beside a name a store uses."""
@@ -68,7 +73,7 @@ def test_a_root_of_other_files_is_refused_and_left_as_it_was(tmp_path, prepare, 
     monkeypatch.setenv("BWSTACK_CACHE", str(tmp_path / "cache"))
     result = bwstack(*command, "--root", str(root), "--ml-env", str(tmp_path / "ml-env"))
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
-    assert f"store root {root} holds other files" in result.stderr and "beside what bwstack keeps" in result.stderr
+    assert f"store root {root} {why}" in result.stderr
     assert {p.name: p.stat().st_mode for p in [root, *root.iterdir()]} == before
 
 
@@ -83,11 +88,19 @@ def test_a_root_holding_what_bwstack_puts_in_a_store_opens(tmp_path, kept):
 
 
 @pytest.mark.parametrize(
-    "passing", [".history.jsonl.k3j2_x.tmp", ".archives.jsonl.a8Zq.partial", ".ansible_tmpq1w2stack.lock.yaml"]
+    "passing",
+    [
+        ".history.jsonl.k3j2_x.tmp",
+        ".provisioned.json.a8Zq0b.tmp",
+        ".ansible_tmpq1w2e3r4stack.lock.yaml",
+        "lost+found",
+        ".nfs000000000a1b2c300000001",
+    ],
 )
 def test_a_root_holding_a_write_in_progress_opens(tmp_path, passing):
     """An atomic write killed halfway (bwstack's own, or Ansible's copy of the lock) leaves a hidden temporary
-    file of a store's name behind; the store is still the store."""
+    file of a store's name behind, and a root that is a filesystem of its own has lost+found (NFS: .nfs files);
+    the store is still the store."""
     layout = Layout(tmp_path / "root", tmp_path / "ml-env", None, None)
     layout.root.mkdir()
     (layout.root / "generations").mkdir()
@@ -96,7 +109,9 @@ def test_a_root_holding_a_write_in_progress_opens(tmp_path, passing):
         assert store.layout.generations.is_dir()
 
 
-@pytest.mark.parametrize("hidden", [".netrc.x.tmp", ".bashrc", ".tool.abc.tmp.keep"])
+@pytest.mark.parametrize(
+    "hidden", [".netrc.x.tmp", ".bashrc", ".tool.abc.tmp.keep", ".ansible_tmpabc.netrc", ".ansible_tmpq1w2e3r4.netrc"]
+)
 def test_a_hidden_file_not_of_a_store_is_refused(tmp_path, hidden):
     layout = Layout(tmp_path / "root", tmp_path / "ml-env", None, None)
     layout.root.mkdir()
@@ -113,7 +128,8 @@ def test_a_root_another_user_owns_is_refused_and_left_as_it_was(tmp_path):
     layout = Layout(tmp_path / "root", tmp_path / "ml-env", None, None)
     layout.root.mkdir(mode=0o700)
     os.chown(layout.root, 65534, 65534)
-    with pytest.raises(UsageError, match=r"belongs to uid 65534, not to this user"), open_store(layout, print):
+    refused = pytest.raises(UsageError, match=r"the store root .* is not this user's alone \(.*65534")
+    with refused, open_store(layout, print):
         pass
     assert os.listdir(layout.root) == [] and stat.S_IMODE(os.stat(layout.root).st_mode) == 0o700
 
@@ -125,3 +141,18 @@ def test_a_root_that_is_a_link_is_refused(tmp_path):
     with pytest.raises(UsageError, match="is not a directory \\(a link or a file\\)"), open_store(layout, print):
         pass
     assert os.listdir(tmp_path / "real") == []
+
+
+@pytest.mark.parametrize("exists", [True, False], ids=["a-store-there", "a-store-to-be-made"])
+def test_a_root_in_a_folder_another_user_owns_is_refused(tmp_path, exists):
+    """Who can write the folder above the root can rename the root away after the check and put a folder of
+    theirs in its place: the run would open the store, its lock and generations/, in a folder they control."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    layout = Layout(theirs / "store", tmp_path / "ml-env", None, None, cache_dir=tmp_path / "cache")
+    if exists:
+        (layout.root / "generations").mkdir(parents=True)
+    with pytest.raises(UsageError, match="the store root"), open_store(layout, print):
+        pass
+    assert not (layout.root / "bwstack.lock").exists()

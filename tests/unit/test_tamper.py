@@ -487,3 +487,42 @@ def test_a_cache_folder_to_be_made_inside_a_folder_others_could_write_is_refused
     result = stack.build("fixture-old", extra_env={"BWSTACK_CACHE": str(shared / "cache")})
     assert result.returncode == 2 and "would be made where others can write" in result.stderr, result.stderr
     assert not (shared / "cache").exists()
+
+
+def test_removing_a_tree_with_a_filesystem_mounted_inside_it_is_refused_and_removes_nothing(tmp_path):
+    """A bind mount of the same filesystem shows no other st_dev; the mount table names it. rmtree would have
+    emptied the mounted folder before failing at its mount point."""
+    from bwstack.errors import BwstackError
+    from bwstack.store.tree import mounts_under, remove_tree
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "keep.txt").write_text("precious\n")
+    tree = tmp_path / "generation" / "env"
+    (tree / "served").mkdir(parents=True)
+    done = subprocess.run(["mount", "--bind", str(data), str(tree / "served")], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot bind-mount here: {done.stderr.decode().strip()}")
+    try:
+        assert mounts_under(tmp_path / "generation") == [str(tree / "served")]
+        with pytest.raises(BwstackError, match=r"not removing .*: a filesystem is mounted at .*served inside it"):
+            remove_tree(tmp_path / "generation")
+        assert (data / "keep.txt").read_text() == "precious\n" and (tree / "served" / "keep.txt").is_file()
+    finally:
+        subprocess.run(["umount", "-l", str(tree / "served")], check=False)
+    remove_tree(tmp_path / "generation")
+    assert not (tmp_path / "generation").exists() and (data / "keep.txt").is_file()
+
+
+def test_a_mount_point_with_a_space_in_its_name_is_read_from_the_mount_table(tmp_path):
+    from bwstack.store.tree import mounts_under
+
+    table = tmp_path / "mountinfo"
+    table.write_text(
+        "22 1 8:1 / / rw - ext4 /dev/sda1 rw\n"
+        "40 22 8:1 /data /opt/bwstack/generations/0001-x/env/with\\040space rw - ext4 /dev/sda1 rw\n"
+    )
+    assert mounts_under(Path("/opt/bwstack/generations/0001-x"), str(table)) == [
+        "/opt/bwstack/generations/0001-x/env/with space"
+    ]
+    assert mounts_under(Path("/opt/bwstack/generations/0001-xy"), str(table)) == []

@@ -347,18 +347,19 @@ def torch_preloads(sp: Path, torch_cuda: str | None) -> dict[str, str]:
     return found
 
 
-# The number ending a library's stem names the release of what it is built against (torchcodec's
-# libtorchcodec_core4..8 for FFmpeg 4..8), unless it names a GPU architecture or CUDA release
-# (common_ops_sm90 / _sm100, foo_cu12): those are built for the device, not chosen by what the host has.
-_CHOSEN_AT_RUN_TIME = re.compile(r"^(?P<stem>[^.]*?(?<![0-9])(?<!sm)(?<!sm_)(?<!cu)(?<!cuda)(?<!compute_))\d+(?=\.)")
+# Libraries a package loads one of at run time, chosen by the release of what the host has or runs: torchcodec's
+# libtorchcodec_{core,custom_ops,pybind_ops}<N> for FFmpeg N, bitsandbytes' libbitsandbytes_cuda<NNN> for the CUDA
+# release torch was built with, torch_c_dlpack_ext's addon_torch<NN> per torch release. Named one by one: a rule
+# over names in general ("a trailing number") also groups builds that must each load (flash_attn2 and 3, ops for
+# sm90 and sm100 however spelled).
+_CHOSEN_AT_RUN_TIME = re.compile(
+    r"(?P<stem>libtorchcodec_(?:core|custom_ops|pybind_ops)|libbitsandbytes_cuda|addon_torch)\d+"
+)
 
 
 def _alternative_key(path: Path) -> str:
-    """Files a package chooses between at run time (a group works when one member loads) share a name up to
-    the number that ends their stem: torchcodec loads the libtorchcodec_core<N> of the FFmpeg major the host
-    has. Only that number: files that differ anywhere else (flash_attn_2_cuda and flash_attn_3_cuda, a kernel
-    for sm90 and one for sm120) are separate extensions, each of which must load. A file with no such number is
-    its own group."""
+    """Files a package chooses between at run time (a group works when one member loads) share this key: their
+    folder and name with the release number masked. Every other file is its own group, and must load."""
     return str(path.parent / _CHOSEN_AT_RUN_TIME.sub(r"\g<stem>#", path.name, count=1))
 
 

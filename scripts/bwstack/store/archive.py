@@ -114,6 +114,12 @@ def write_archive(store: Store, gen: Generation, path: Path, level: int = 3) -> 
     path = Path(path).absolute()
     if path.is_dir():
         raise UsageError(f"--archive {path}: a directory; name the archive file to write")
+    store_root = os.path.realpath(store.layout.root)
+    if os.path.commonpath([os.path.realpath(path.parent), store_root]) == store_root:
+        raise UsageError(
+            f"--archive {path}: inside the store {store.layout.root}, which keeps only its own files (and an archive "
+            f"is the copy that outlives the store): write it to another disk or a NAS share"
+        )
     started = time.perf_counter()
     _remove_abandoned_partials(path)
     try:

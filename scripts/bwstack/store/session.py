@@ -19,7 +19,7 @@ from pathlib import Path
 from bwstack.errors import UsageError
 from bwstack.fsutil import atomic_symlink
 from bwstack.store.generations import Store
-from bwstack.store.layout import Layout, check_cache
+from bwstack.store.layout import Layout, check_cache, check_private_folder
 from bwstack.store.runlock import NAME as LOCK_NAME
 from bwstack.store.runlock import RunLock
 from bwstack.store.tree import exchange, remove_tree
@@ -44,25 +44,31 @@ STORE_NAMES = frozenset(
     {"generations", LOCK_NAME, "current", "cache", "history.jsonl", "archives.jsonl", "tool", "dist",
      "stack.lock.yaml", "provisioned.json", "waivers.json"}
 )  # fmt: skip
-# What a write into the root leaves for a moment: bwstack's atomic writes (`.<name>.<random>.tmp`, archives'
-# `.partial`) and Ansible's copy of the lock or wheel (`.ansible_tmp<random><name>`).
-_PASSING = re.compile(r"\.(?:(?P<name>[^/]+?)\.[^./]+\.(?:tmp|partial)|ansible_tmp[^/]*)")
+# What a write into the root leaves for a moment: bwstack's atomic writes (`.<name>.<random>.tmp`) and Ansible's
+# copy of the lock or wheel (`.ansible_tmp<8 random characters><name>`, its atomic_move).
+_PASSING = re.compile(r"\.(?P<name>[^/]+?)\.[A-Za-z0-9_]+\.tmp|\.ansible_tmp[a-z0-9_]{8}(?P<copied>[^/]+)")
+# What the filesystem itself keeps at a root that is a filesystem of its own (a disk for /opt/bwstack: ext4's
+# lost+found) or on NFS (.nfsXXXX: a file removed while still open).
+_FILESYSTEM_NAMES = re.compile(r"lost\+found|\.nfs[0-9a-fA-F]+")
 
 
 def _a_store_entry(name: str) -> bool:
-    if name in STORE_NAMES:
+    if name in STORE_NAMES or _FILESYSTEM_NAMES.fullmatch(name):
         return True
     passing = _PASSING.fullmatch(name)
-    return passing is not None and (passing["name"] is None or passing["name"] in STORE_NAMES)
+    return passing is not None and (passing["name"] or passing["copied"]) in STORE_NAMES
 
 
 def check_store_root(layout: Layout) -> None:
-    """The store's root is new, empty or a store already: it holds only what bwstack puts in one, and it belongs
-    to the user running bwstack. Opening a store makes the root 0755 and leaves its lock and generations/ there:
-    a mistyped --root naming a folder of other files (a home, /tmp, a folder that happens to hold a `tool/`)
-    would be opened up to everyone and left holding the store's files, and a root another user owns is their
-    store, not this run's."""
+    """The store's root is new, empty or a store already: it holds only what bwstack puts in one, and it is the
+    running user's alone, as are the folders above it (check_private_folder). Opening a store makes the root
+    0755 and leaves its lock and generations/ there: a mistyped --root naming a folder of other files (a home,
+    /tmp, a folder that happens to hold a `tool/`) would be opened up to everyone and left holding the store's
+    files, and a root another user owns is their store, not this run's."""
     root = layout.root
+    # Who can write the folders above it: another user who can rename the root away could put a folder of theirs
+    # in its place after this check, and the run would open the store there.
+    check_private_folder(root, "the store root", "--root")
     try:
         st = os.lstat(root)
         entries = os.listdir(root) if stat.S_ISDIR(st.st_mode) else None
@@ -72,11 +78,6 @@ def check_store_root(layout: Layout) -> None:
         raise UsageError(f"store root {root}: {exc.strerror or exc}") from None
     if entries is None:
         raise UsageError(f"store root {root} is not a directory (a link or a file): name the folder itself (--root)")
-    if st.st_uid != os.geteuid():
-        raise UsageError(
-            f"store root {root} belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()}): another user's "
-            f"store is theirs to change; name a folder of your own (--root)"
-        )
     others = sorted(name for name in entries if not _a_store_entry(name))
     if others:
         shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")

@@ -7,10 +7,12 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import re
 import shutil
 import stat
 from pathlib import Path
 
+from bwstack.errors import BwstackError
 from bwstack.fsutil import atomic_write_text
 from bwstack.probe import treecheck
 
@@ -62,6 +64,29 @@ def take_ownership(env: Path) -> list[str]:
     return foreign
 
 
+MOUNTINFO = "/proc/self/mountinfo"
+
+
+def mounts_under(path: Path, mountinfo: str = MOUNTINFO) -> list[str]:
+    """The mount points at or below `path` (its real path), as this process's mount table lists them: a bind
+    mount of the same filesystem included, which no st_dev shows. [] when the table cannot be read."""
+    real = os.path.realpath(path)
+    try:
+        with open(mountinfo, encoding="utf-8", errors="surrogateescape") as table:
+            lines = table.read(1 << 22).splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        fields = line.split(" ")
+        if len(fields) > 4:
+            # Field 5 is the mount point, with space, tab, newline and backslash written as octal escapes.
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+            if point == real or point.startswith(real.rstrip("/") + "/"):
+                found.append(point)
+    return found
+
+
 def remove_tree(path: Path) -> None:
     def _writable(func, p, _exc):  # sealed files sit in directories we may have made read-only
         # The folder itself, never what a link swapped in at its name leads to.
@@ -77,6 +102,13 @@ def remove_tree(path: Path) -> None:
     except FileNotFoundError:
         return
     if stat.S_ISDIR(st.st_mode):
+        # rmtree would go on into a filesystem mounted inside (a bind mount of a data disk), emptying it.
+        mounted = mounts_under(path)
+        if mounted:
+            raise BwstackError(
+                f"not removing {path}: a filesystem is mounted at {mounted[0]} inside it, and removing would empty "
+                f"that too: unmount it (umount {mounted[0]}), then run the command again"
+            )
         shutil.rmtree(path, onerror=_writable)
     else:
         os.unlink(path)

@@ -528,35 +528,51 @@ def model_folders(job: dict, environ: Mapping[str, str] | None = None) -> list:
     """The model folders a job's models are read from, each with the stat of every entry in it: SGLang plans from
     their config files, which whoever owns the folder can change. A plan recorded before such a change is not
     the folder's plan any more. A model or draft given as /path is that folder; one given by its hub id is read
-    offline from the HF cache (the planner runs with HF_HUB_OFFLINE), or from a folder of that name under the
-    planner's working directory, "/". The bundled reference models are the probe's own files."""
+    offline from the HF cache (the planner runs with HF_HUB_OFFLINE) that the planner's environment names: this
+    process's, with the request's own `env` over it. (The planner runs in a new private folder, so a relative
+    name finds nothing there.) The bundled reference models are the probe's own files."""
     out: list = []
     references_ = references.reference_names()
+    base = dict(os.environ if environ is None else environ)
     for request in job.get("requests") or []:
+        if not isinstance(request, dict):
+            continue
+        extra = request.get("env") if isinstance(request.get("env"), dict) else {}
+        seen = {**base, **{str(k): str(v) for k, v in extra.items()}}
         for key in ("model", "draft"):
-            value = request.get(key) if isinstance(request, dict) else None
+            value = request.get(key)
             if not isinstance(value, str) or not value or value in references_:
                 continue
             if value.startswith("/"):
                 out.append([value, _folder_stamp(value)])
             else:
-                cached = hub_cache_folder(value, os.environ if environ is None else environ)
-                out.append([value, _folder_stamp(os.path.join("/", value)), str(cached), _folder_stamp(str(cached))])
+                for cached in hub_cache_folders(value, seen):
+                    out.append([value, str(cached), _folder_stamp(str(cached))])
     return out
 
 
-def hub_cache_folder(repo_id: str, environ: Mapping[str, str]) -> Path:
-    """Where huggingface_hub keeps a model repository: HF_HUB_CACHE (HUGGINGFACE_HUB_CACHE before it), else
-    <HF_HOME>/hub, HF_HOME being <XDG_CACHE_HOME or ~/.cache>/huggingface; the repository's folder is
-    models--<org>--<name>."""
-    hub = environ.get("HF_HUB_CACHE") or environ.get("HUGGINGFACE_HUB_CACHE")
-    if not hub:
-        home = environ.get("HF_HOME") or os.path.join(
-            environ.get("XDG_CACHE_HOME") or os.path.join(environ.get("HOME") or os.path.expanduser("~"), ".cache"),
-            "huggingface",
-        )
-        hub = os.path.join(home, "hub")
-    return Path(os.path.expanduser(hub)) / ("models--" + repo_id.replace("/", "--"))
+def hub_cache_folders(repo_id: str, environ: Mapping[str, str]) -> list[Path]:
+    """Where a model repository is read from offline, by the rules of the env's huggingface_hub (constants.py) and
+    transformers (utils/hub.py), which the planner loads: huggingface_hub's cache is HF_HUB_CACHE, else
+    HUGGINGFACE_HUB_CACHE, else <HF_HOME>/hub, HF_HOME being <XDG_CACHE_HOME or ~/.cache>/huggingface (a variable
+    set empty counts as set; HF_HOME and HF_HUB_CACHE have ~ and $VARS expanded); transformers reads configs from
+    TRANSFORMERS_CACHE, else PYTORCH_TRANSFORMERS_CACHE, else PYTORCH_PRETRAINED_BERT_CACHE, else the hub's. The
+    repository's folder in either is models--<org>--<name>."""
+
+    def expanded(value: str) -> str:  # os.path.expandvars(os.path.expanduser(value)), in the planner's environment
+        home = environ.get("HOME") or os.path.expanduser("~")
+        value = home + value[1:] if value == "~" or value.startswith("~/") else value
+        return re.sub(r"\$(\w+)|\$\{(\w+)\}", lambda m: environ.get(m[1] or m[2], m[0]), value)
+
+    default_home = os.path.join(environ.get("HOME") or os.path.expanduser("~"), ".cache")
+    hf_home = expanded(environ.get("HF_HOME", os.path.join(environ.get("XDG_CACHE_HOME", default_home), "huggingface")))
+    hub = expanded(environ.get("HF_HUB_CACHE", environ.get("HUGGINGFACE_HUB_CACHE", os.path.join(hf_home, "hub"))))
+    transformers = environ.get(
+        "TRANSFORMERS_CACHE",
+        environ.get("PYTORCH_TRANSFORMERS_CACHE", environ.get("PYTORCH_PRETRAINED_BERT_CACHE", hub)),
+    )
+    folder = "models--" + repo_id.replace("/", "--")
+    return [Path(root) / folder for root in dict.fromkeys([transformers, hub])]
 
 
 FOLDER_STAMP_MAX = 20_000  # entries: a model folder holds configs and shards, not a tree of this size
