@@ -360,6 +360,54 @@ def test_a_hostile_file_in_a_description_is_unknown_not_followed(tmp_path, case,
     assert isinstance(value, Unknown) and why in value.why
 
 
+def test_a_folder_of_a_description_linked_out_of_it_is_never_followed(tmp_path):
+    """Its owner may swap any name for a link while root replays it (a race, at each lookup): every path is looked
+    up one name at a time beneath the recording's folder, so a link leading out of it is refused wherever it is."""
+    copy = _hostile_copy(tmp_path)
+    secret = tmp_path / "secret"
+    (secret / "driver" / "nvidia").mkdir(parents=True)
+    (secret / "driver" / "nvidia" / "version").write_text("root's only\n")
+    shutil.rmtree(copy / "proc")
+    (copy / "proc").symlink_to(secret)
+    m = Machine.recorded(copy)
+    for value in (m.read("/proc/driver/nvidia/version"), m.listdir("/proc/driver")):
+        assert isinstance(value, Unknown) and "leads outside" in value.why
+    assert not m.exists("/proc/driver/nvidia/version")
+
+
+def test_links_inside_a_description_are_followed_inside_it(tmp_path):
+    """sysfs is links (a device's driver, its iommu_group): a relative link that stays inside is followed."""
+    copy = _hostile_copy(tmp_path)
+    (copy / "sys" / "real").mkdir()
+    (copy / "sys" / "real" / "value").write_text("42\n")
+    (copy / "sys" / "via").symlink_to("real")
+    (copy / "sys" / "deeper").mkdir()
+    (copy / "sys" / "deeper" / "up").symlink_to("../via/value")
+    (copy / "sys" / "loop").symlink_to("loop")
+    m = Machine.recorded(copy)
+    assert m.read("/sys/via/value") == "42\n" and m.read("/sys/deeper/up") == "42\n"
+    assert m.listdir("/sys/via") == ["value"] and m.readlink("/sys/via") == "real"
+    loop = m.read("/sys/loop")
+    assert isinstance(loop, Unknown) and not m.exists("/sys/loop")
+
+
+def test_a_recording_the_machine_let_go_of_reads_nothing(tmp_path):
+    m = Machine.recorded(_hostile_copy(tmp_path))
+    m.close()
+    assert isinstance(m.read("/proc/cmdline"), Unknown)
+
+
+def test_text_a_recording_chose_reaches_the_terminal_written_out_not_acted_on(tmp_path):
+    """A command's recorded stderr is quoted in the report: an escape sequence there could clear root's screen and
+    print a verdict of its own."""
+    copy = _hostile_copy(tmp_path)
+    (copy / "commands" / "persistenced.txt").write_text("\x1b[2J\x1b[H\x1b[32mACCEPTED everything\x1b[0m\n")
+    (copy / "commands" / "persistenced.exit").write_text("3\n")
+    result = _accept("--machine", str(copy), "--no-runtime")
+    assert "\x1b" not in result.stdout + result.stderr
+    assert "\\x1b[2J\\x1b[H\\x1b[32mACCEPTED everything" in result.stdout
+
+
 HOSTILE_COMMANDS = [
     ("output-is-a-link", "lspci.txt", lambda p: p.symlink_to("/etc/hostname"), "not a plain file"),
     ("exit-not-a-number", "lspci.exit", lambda p: p.write_text("zero\n"), "not an exit status"),

@@ -9,8 +9,19 @@ stderr under --json. Warnings and refusals always go to stderr.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Callable
+
+# What a terminal acts on instead of showing: C0 controls but tab and newline, DEL, and C1 controls (an escape
+# sequence can clear the screen, set the title or print a verdict that is not the report's).
+_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def visible(text: str) -> str:
+    """`text` with every character a terminal would act on written out (\\x1b): human lines carry text read from
+    nodes, recordings and lock files, which whoever wrote them chose."""
+    return _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 class Console:
@@ -25,11 +36,11 @@ class Console:
 
     def log(self, message: str) -> None:
         """A progress line: stdout for people, stderr under --json (stdout then carries the JSON only)."""
-        print(message, file=sys.stderr if self.json_mode else sys.stdout, flush=self.json_mode)
+        print(visible(message), file=sys.stderr if self.json_mode else sys.stdout, flush=self.json_mode)
 
     def note(self, message: str) -> None:
         """A line for the person running the command whatever the mode: warnings, verdicts, hints (stderr)."""
-        print(message, file=sys.stderr, flush=True)
+        print(visible(message), file=sys.stderr, flush=True)
 
     def stderr_log(self) -> Callable[[str], None]:
         """A `log=` callback for work whose progress goes to stderr in both modes."""
@@ -55,7 +66,7 @@ class Console:
 
     def text(self, text: str) -> None:
         """Human output on stdout (the result of a command without --json)."""
-        print(text)
+        print(visible(text))
 
     def raw(self, text: str) -> None:
         """Bytes-exact output on stdout (rendered requirement files)."""

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from bwstack import __version__
 from bwstack.cli import options
 from bwstack.cli.commands import modules
+from bwstack.cli.console import visible
 from bwstack.errors import BwstackError, UsageError
 from bwstack.lock.model import default_lock_path
 
@@ -75,7 +76,7 @@ _FIX_WHERE_IT_POINTS = frozenset({
 
 def _error(text: str) -> None:
     message = " | ".join(line.strip() for line in text.strip().splitlines() if line.strip())
-    print(f"bwstack: error: {message}", file=sys.stderr)
+    print(f"bwstack: error: {visible(message)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ writes through one). Standard library only: the probe ships it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import secrets
@@ -83,3 +84,55 @@ def replace(folder: int, final: str, chunks: Iterable[bytes], **new: object) -> 
 def remove(folder: int, name: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(name, dir_fd=folder)
+
+
+MAX_LINKS = 40  # as the kernel's own limit on links followed in one lookup
+READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+class Outside(OSError):
+    """A path inside a folder that leads out of it ('..' above it, or a link to an absolute path)."""
+
+
+def open_beneath(root: int, path: str) -> int:
+    """`path` (relative to the folder open as `root`, a leading / meaning that folder) opened read-only and not
+    blocking, as openat2's RESOLVE_BENEATH would: every component opened with O_NOFOLLOW from the one before, a
+    link read and resolved by hand inside `root` (relative ones only), never a step out of `root`. A folder
+    others can change while it is read can swap names at will: whatever it swaps in is looked up the same way,
+    so nothing outside `root` is ever opened. Raises Outside, or OSError (ELOOP past MAX_LINKS, ENOENT, ...)."""
+    todo = [p for p in path.split("/") if p][::-1]
+    stack = [os.dup(root)]
+    links = 0
+    try:
+        while todo:
+            name = todo.pop()
+            if name == ".":
+                continue
+            if name == "..":
+                if len(stack) == 1:
+                    raise Outside(f"{path} leads out of the folder it is read in")
+                os.close(stack.pop())
+                continue
+            last = not todo
+            flags = READ_FLAGS | (0 if last else os.O_DIRECTORY)
+            try:
+                fd = os.open(name, flags, dir_fd=stack[-1])
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                try:
+                    target = os.readlink(name, dir_fd=stack[-1])
+                except OSError:
+                    raise exc from None  # not a link (a file where a folder was wanted): as the open said
+                links += 1
+                if links > MAX_LINKS:
+                    raise OSError(errno.ELOOP, "too many links", path) from None
+                if target.startswith("/"):
+                    raise Outside(f"{path} leads out of the folder it is read in (a link to {target})") from None
+                todo.extend(p for p in reversed(target.split("/")) if p)
+                continue
+            stack.append(fd)
+        return os.dup(stack[-1])
+    finally:
+        for fd in stack:
+            os.close(fd)

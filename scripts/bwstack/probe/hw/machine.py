@@ -11,6 +11,7 @@ only into the directory the user names: private, through descriptors, following 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -90,20 +91,23 @@ class Machine:
         self.live = commands is None and str(root) == "/"
         self.label = label or ("this machine" if self.live else str(root))
         self._unreadable: dict[str, str] = {}
+        # A recorded description is read through a descriptor of its folder, opened once, and every path in it
+        # is looked up beneath it (dirfd.open_beneath): its owner may be another user, who could swap a name for
+        # a link to a file only root may read while root replays it.
+        self._root_fd = -1 if self.live else os.open(self.root, dirfd.FOLDER_FLAGS & ~os.O_NOFOLLOW)
         if not self.live:
             saved = self.root / UNREADABLE_FILE
-            if saved.is_symlink() or (saved.exists() and not saved.is_file()):
-                raise ValueError(f"{saved}: not a plain file")
-            if saved.is_file():
-                if saved.stat().st_size > MAX_FILE_BYTES:
-                    raise ValueError(f"{saved}: larger than {MAX_FILE_BYTES // 1024} KiB")
-                try:
-                    data = json.loads(saved.read_text(encoding="utf-8"))
-                except (OSError, ValueError) as exc:
-                    raise ValueError(f"{saved}: not a JSON object of path -> reason ({exc})") from None
-                if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
-                    raise ValueError(f"{saved}: not a JSON object of path -> reason")
-                self._unreadable = data
+            data = self._own_file(UNREADABLE_FILE, MAX_FILE_BYTES)
+            try:
+                doc = json.loads(data) if isinstance(data, str) else {}
+            except ValueError as exc:
+                data = Unknown(f"not a JSON object of path -> reason ({exc})")
+            well_formed = isinstance(doc, dict) and all(isinstance(v, str) for v in doc.values())
+            if isinstance(data, Unknown) or not well_formed:
+                self.close()
+                why = data.why if isinstance(data, Unknown) else "not a JSON object of path -> reason"
+                raise ValueError(f"{saved}: {why}")
+            self._unreadable = doc
 
     @classmethod
     def recorded(cls, directory: str | Path) -> Machine:
@@ -116,32 +120,34 @@ class Machine:
         return cls(path.resolve(), commands=path.resolve() / "commands", label=str(path))
 
     def close(self) -> None:
-        """Let go of what the machine holds (a recording's folder); reading holds nothing."""
+        """Let go of what the machine holds (a recording's folder)."""
+        if self._root_fd >= 0:
+            os.close(self._root_fd)
+            self._root_fd = -1
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
 
     # ---------------------------------------------------------------------------------------------- files
 
-    def _host(self, path: str, *, follow_last: bool = True) -> str | Unknown:
-        """The host path for machine path `path`; a recorded description may not lead outside itself."""
+    def _opened(self, path: str) -> int:
+        """A descriptor of machine path `path` (a recorded one: beneath the recording, dirfd.open_beneath)."""
+        if self.live:
+            # O_NONBLOCK: a FIFO must not hang the read.
+            return os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        if self._root_fd < 0:
+            raise OSError(errno.EBADF, "the recording was let go")
+        return dirfd.open_beneath(self._root_fd, path)
+
+    def _recorded_file(self, path: str, limit: int) -> str | Unknown:
+        """The text of a regular file at machine path `path`, at most `limit` bytes."""
         if not path.startswith("/") or "\0" in path:
             return Unknown(f"{path!r} is not an absolute path")
-        if self.live:
-            return path
-        host = os.path.join(str(self.root), path.lstrip("/"))
-        parent, name = os.path.split(host)
-        resolved = os.path.realpath(host) if follow_last else os.path.join(os.path.realpath(parent), name)
-        if os.path.commonpath([resolved, str(self.root)]) != str(self.root):
-            return Unknown(f"{path} leads outside the recorded machine {self.label}")
-        return resolved
-
-    def read(self, path: str) -> str | Unknown:
-        if path in self._unreadable:
-            return Unknown(self._unreadable[path])
-        host = self._host(path)
-        if isinstance(host, Unknown):
-            return host
         try:
-            # O_NONBLOCK: a FIFO planted in a recorded description must not hang the read.
-            fd = os.open(host, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            fd = self._opened(path)
+        except dirfd.Outside:
+            return Unknown(f"{path} leads outside the recorded machine {self.label}")
         except FileNotFoundError:
             return Unknown(f"{path} does not exist")
         except PermissionError:
@@ -151,40 +157,112 @@ class Machine:
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 return Unknown(f"{path} is not a regular file")
-            data = os.read(fd, MAX_FILE_BYTES + 1)
+            data = _read_upto(fd, limit + 1)
         except OSError as exc:
             return Unknown(f"{path} cannot be read: {exc.strerror}")
         finally:
             os.close(fd)
-        if len(data) > MAX_FILE_BYTES:
-            return Unknown(f"{path} is larger than {MAX_FILE_BYTES // 1024} KiB: not the file expected there")
+        if len(data) > limit:
+            return Unknown(f"{path} is larger than {limit // 1024} KiB: not the file expected there")
         return data.decode("utf-8", errors="replace")
 
-    def readlink(self, path: str) -> str | Unknown:
-        host = self._host(path, follow_last=False)
-        if isinstance(host, Unknown):
-            return host
+    def _own_file(self, rel: str, limit: int) -> str | Unknown | None:
+        """A file of the recording itself (its commands' outputs, unreadable.json): a plain file reached through
+        plain folders, no link anywhere; None when it is not there."""
+        *folders, name = rel.split("/")
+        fds: list[int] = []
         try:
-            return os.readlink(host)
+            fd = self._root_fd
+            for folder in folders:
+                fd = dirfd.open_folder(folder, fd)
+                fds.append(fd)
+            fds.append(os.open(name, dirfd.READ_FLAGS, dir_fd=fd))
+            if not stat.S_ISREG(os.fstat(fds[-1]).st_mode):
+                return Unknown(f"{rel} in {self.label} is not a plain file")
+            data = _read_upto(fds[-1], limit + 1)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                return Unknown(f"{rel} in {self.label} is not a plain file")
+            return Unknown(f"{rel} in {self.label} cannot be read: {exc.strerror}")
+        finally:
+            for fd in fds:
+                os.close(fd)
+        if len(data) > limit:
+            return Unknown(f"{rel} in {self.label} is too large")
+        return data.decode("utf-8", errors="replace")
+
+    def read(self, path: str) -> str | Unknown:
+        if path in self._unreadable:
+            return Unknown(self._unreadable[path])
+        return self._recorded_file(path, MAX_FILE_BYTES)
+
+    def _parent_and_name(self, path: str) -> tuple[int, str] | Unknown:
+        if not path.startswith("/") or "\0" in path:
+            return Unknown(f"{path!r} is not an absolute path")
+        parent, name = os.path.split(path.rstrip("/") or "/")
+        try:
+            return self._opened(parent), name
+        except dirfd.Outside:
+            return Unknown(f"{path} leads outside the recorded machine {self.label}")
+        except FileNotFoundError:
+            return Unknown(f"{path} does not exist")
+        except OSError as exc:
+            return Unknown(f"{path} cannot be looked up: {exc.strerror}")
+
+    def readlink(self, path: str) -> str | Unknown:
+        if self.live:
+            try:
+                return os.readlink(path)
+            except FileNotFoundError:
+                return Unknown(f"{path} does not exist")
+            except OSError as exc:
+                return Unknown(f"{path} is not a symbolic link ({exc.strerror})")
+        found = self._parent_and_name(path)
+        if isinstance(found, Unknown):
+            return found
+        fd, name = found
+        try:
+            return os.readlink(name, dir_fd=fd)
         except FileNotFoundError:
             return Unknown(f"{path} does not exist")
         except OSError as exc:
             return Unknown(f"{path} is not a symbolic link ({exc.strerror})")
+        finally:
+            os.close(fd)
 
     def listdir(self, path: str) -> list[str] | Unknown:
-        host = self._host(path)
-        if isinstance(host, Unknown):
-            return host
+        if not path.startswith("/") or "\0" in path:
+            return Unknown(f"{path!r} is not an absolute path")
         try:
-            return sorted(os.listdir(host))
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if self.live else self._opened(path)
+        except dirfd.Outside:
+            return Unknown(f"{path} leads outside the recorded machine {self.label}")
         except FileNotFoundError:
             return Unknown(f"{path} does not exist")
         except OSError as exc:
             return Unknown(f"{path} cannot be listed: {exc.strerror}")
+        try:
+            return sorted(os.listdir(fd))
+        except OSError as exc:
+            return Unknown(f"{path} cannot be listed: {exc.strerror}")
+        finally:
+            os.close(fd)
 
     def exists(self, path: str) -> bool:
-        host = self._host(path)
-        return not isinstance(host, Unknown) and os.path.lexists(host)
+        """Whether `path` is there (a recorded one: and, when a link, what it leads to inside the recording)."""
+        if self.live:
+            return os.path.lexists(path)
+        if not path.startswith("/") or "\0" in path:
+            return False
+        try:
+            os.close(self._opened(path))
+        except (dirfd.Outside, FileNotFoundError, NotADirectoryError):
+            return False
+        except OSError as exc:
+            return exc.errno != errno.ELOOP  # there, but not for this user to open
+        return True
 
     # ---------------------------------------------------------------------------------------------- commands
 
@@ -199,16 +277,14 @@ class Machine:
 
     def _recorded(self, name: str) -> Output | Unknown:
         assert self.commands is not None
-        base = self.commands / name
         parts = {}
+        folder = os.path.relpath(self.commands, self.root)
         for suffix in (".txt", ".exit", ".stderr", ".argv"):
-            candidate = base.with_name(name + suffix)
-            if candidate.is_symlink() or (candidate.exists() and not candidate.is_file()):
-                return Unknown(f"commands/{candidate.name} in {self.label} is not a plain file")
-            if candidate.is_file():
-                if candidate.stat().st_size > MAX_OUTPUT_BYTES:
-                    return Unknown(f"commands/{candidate.name} in {self.label} is too large")
-                parts[suffix] = candidate.read_text(encoding="utf-8", errors="replace")
+            text = self._own_file(f"{folder}/{name}{suffix}", MAX_OUTPUT_BYTES)
+            if isinstance(text, Unknown):
+                return text
+            if text is not None:
+                parts[suffix] = text
         if not parts:
             return Unknown(f"`{name}` was not recorded in {self.label}")
         try:
@@ -217,6 +293,17 @@ class Machine:
             return Unknown(f"commands/{name}.exit in {self.label} is not an exit status")
         argv = tuple(parts[".argv"].split()) if ".argv" in parts else COMMANDS[name][0]
         return Output(argv, code, parts.get(".txt", ""), parts.get(".stderr", ""))
+
+
+def _read_upto(fd: int, limit: int) -> bytes:
+    chunks, size = [], 0
+    while size < limit:
+        chunk = os.read(fd, min(1 << 20, limit - size))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
 
 
 def _run_live(alternatives: tuple[tuple[str, ...], ...]) -> Output | Unknown:
