@@ -349,6 +349,21 @@ CASES: list[tuple[str, Callable[[dict], None] | str, str]] = [
         "profiles.cu128.expect.models: expected a list",
     ),
     (
+        "system-package-an-apt-option",
+        _set("system_packages.debian-12", ["-oDpkg::Pre-Invoke::=touch /tmp/pwn", "libnuma1"]),
+        "system_packages.debian-12: '-oDpkg::Pre-Invoke::=touch /tmp/pwn' is not a Debian package name",
+    ),
+    (
+        "system-package-two-words",
+        _set("system_packages.debian-12", ["libnuma1 ffmpeg"]),
+        "system_packages.debian-12: 'libnuma1 ffmpeg' is not a Debian package name",
+    ),
+    (
+        "profile-name-with-a-newline",
+        _set("default_profile", "cu130\n"),
+        "default_profile",
+    ),
+    (
         "requirement-line-invalid",
         _set("closures.cu128.env.sglang.requires.0", "torch ==> 2"),
         "closures.cu128.env.sglang.requires[0]: 'torch ==> 2' is not a valid requirement",
@@ -549,6 +564,11 @@ HOSTILE_YAML: list[tuple[str, str | bytes, str]] = [
     # Built digit group by digit group in quadratic time: refused before it is built (400,000 groups took 48 s).
     ("sexagesimal-int-of-a-megabyte", f"# {CANARY}\nx: 1" + ":59" * 400_000 + "\n", "line 2: a number too large"),
     ("long-float", f"# {CANARY}\nx: 1." + "5" * 100 + "\n", "line 2: a number too large"),
+    # Two million list items in 4 MiB took 16 s and 785 MB to compose before the one-line refusal.
+    ("two-million-values", f"# {CANARY}\nschema_version: [" + "1," * 1_500_000 + "1]\n", "YAML values: far more"),
+    # A token file or a password line named as the lock (as root, through a sudo rule): the whole file is one value.
+    ("a-token-file", f"hf_{CANARY}\n", "(top level): expected a mapping, got a string: not a lock file"),
+    ("a-number-file", "4242\n", "(top level): expected a mapping, got a number: not a lock file"),
 ]
 
 

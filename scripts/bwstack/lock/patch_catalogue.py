@@ -16,7 +16,7 @@ from packaging.version import InvalidVersion, Version
 
 from bwstack.errors import BwstackError
 
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}\Z")
 
 
 class PatchCatalogueError(BwstackError):

@@ -29,6 +29,7 @@ from bwstack.errors import LockError, UsageError
 
 MAX_LOCK_BYTES = 4 << 20
 MAX_DEPTH = 32  # the real lock nests 8 deep
+MAX_EVENTS = 200_000  # parser events: the real lock has about 9,000; 4 MiB of `[1,1,1,...]` is 2 million (16 s)
 MAX_SHOWN = 60  # characters of a key or value an error message may quote
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 # The parts of a PyYAML problem string that may be file content: anything quoted, except token names
@@ -164,8 +165,10 @@ class StrictPyLoader(_Strict, yaml.SafeLoader):
 def _refuse_aliases_and_depth(text: str, loader: type) -> None:
     """One pass over the parser's events (libyaml: ~15 ms for the real lock) before anything is composed."""
     depth = 0
-    for event in yaml.parse(text, Loader=loader):
+    for count, event in enumerate(yaml.parse(text, Loader=loader), 1):
         line = event.start_mark.line + 1
+        if count > MAX_EVENTS:
+            raise _Refused(line, f"more than {MAX_EVENTS:,} YAML values: far more than a lock holds")
         if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
             raise _Refused(line, "YAML anchors and aliases (&name, *name) are not allowed in the lock")
         if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
