@@ -1013,3 +1013,25 @@ def test_the_benchmark_can_make_an_sglang_only_bump_of_the_real_lock(tmp_path):
     staged_a = context.stage_context(a, a.profile("cu128"), tmp_path / "a", DOCKER / "Dockerfile").layer_files
     staged_b = context.stage_context(b, b.profile("cu128"), tmp_path / "b", DOCKER / "Dockerfile").layer_files
     assert [n for n in staged_a if staged_a[n] != staged_b[n]] == ["03-app.txt"]
+
+
+def test_a_folder_another_user_makes_on_the_way_to_the_kept_context_is_refused(tmp_path, monkeypatch):
+    """Below a shared sticky folder (/tmp), another user can make a missing folder between the check and the
+    makedirs that would have made it: the folder the context goes into must be this user's when it is made."""
+    lock = load_lock(REAL_LOCK)
+    staged = context.stage_context(lock, lock.profile("cu130"), tmp_path / "private", DOCKER / "Dockerfile")
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    kept = sticky / "builds" / "ctx"
+    checked = context.check_kept_context
+
+    def check_then_lose_the_race(dest):
+        checked(dest)
+        (sticky / "builds").mkdir()  # the other user's folder, made in the window
+        os.chown(sticky / "builds", 65534, 65534)
+
+    monkeypatch.setattr(context, "check_kept_context", check_then_lose_the_race)
+    with pytest.raises(UsageError, match=r"--context-dir's folder .* is not this user's alone"):
+        context.keep_context(staged.path, kept)
+    assert not kept.exists()

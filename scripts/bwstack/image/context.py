@@ -176,8 +176,13 @@ def check_kept_context(dest: Path) -> None:
 def keep_context(staged: Path, dest: Path) -> None:
     """A copy of the staged context at dest, made in a folder created here (exclusively): the operator reads it,
     Docker builds from the private one, so nothing written to dest can change the image."""
+    from bwstack.store.layout import check_private_folder
+
     check_kept_context(dest)
-    os.makedirs(dest.parent, exist_ok=True)  # below the nearest existing folder, which only this user can write
+    os.makedirs(dest.parent, exist_ok=True)
+    # The folders made just now sit below one that may be shared and sticky (/tmp): another user could have made
+    # one of them first, and makedirs takes it as it finds it. The folder dest goes into must be this user's.
+    check_private_folder(dest.parent, "--context-dir's folder", "--context-dir")
     try:
         os.mkdir(dest, 0o755)
     except FileExistsError:
