@@ -408,6 +408,36 @@ def test_text_a_recording_chose_reaches_the_terminal_written_out_not_acted_on(tm
     assert "\\x1b[2J\\x1b[H\\x1b[32mACCEPTED everything" in result.stdout
 
 
+@pytest.mark.parametrize("where", ["the-folder", "a-folder-above"])
+def test_a_link_another_user_made_to_a_recording_is_not_followed(tmp_path, where):
+    """Root's own recordings are private (0700: the kernel log is in them). Another user's link to one, as the
+    recording or on the way to it, would have root replay (and print) what that user cannot read."""
+    private = _hostile_copy(tmp_path)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    link = theirs / ("rec" if where == "the-folder" else "up")
+    link.symlink_to(private if where == "the-folder" else tmp_path)
+    os.lchown(link, 65534, 65534)
+    named = link if where == "the-folder" else link / "machine"
+    with pytest.raises(ValueError, match="a link uid 65534 made, not followed"):
+        Machine.recorded(named)
+
+
+def test_a_link_root_made_on_the_way_to_a_recording_is_followed(tmp_path):
+    (tmp_path / "moved").symlink_to(_hostile_copy(tmp_path))
+    assert Machine.recorded(tmp_path / "moved").read("/proc/cmdline") == Machine.recorded(tmp_path / "machine").read(
+        "/proc/cmdline"
+    )
+
+
+def test_a_reason_a_recording_gives_is_one_line_of_the_report(tmp_path):
+    copy = _hostile_copy(tmp_path)
+    (copy / "unreadable.json").write_text(json.dumps({"/proc/cmdline": "x\n\nACCEPTED: forged\n"}))
+    value = Machine.recorded(copy).read("/proc/cmdline")
+    assert isinstance(value, Unknown) and value.why == "x ACCEPTED: forged"
+
+
 HOSTILE_COMMANDS = [
     ("output-is-a-link", "lspci.txt", lambda p: p.symlink_to("/etc/hostname"), "not a plain file"),
     ("exit-not-a-number", "lspci.exit", lambda p: p.write_text("zero\n"), "not an exit status"),

@@ -301,10 +301,21 @@ def _open_parent(tmp_path: Path) -> Path:
     return shared / "ctx"
 
 
+def _sticky_parent(tmp_path: Path) -> Path:
+    shared = tmp_path / "sticky"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    return shared / "ctx"
+
+
 @pytest.mark.parametrize(
     ("make", "says"),
-    [(_planted_context, "it exists; name a new folder"), (_open_parent, "would be made where others can write")],
-    ids=["existing-folder-with-a-link", "in-a-folder-others-can-write"],
+    [
+        (_planted_context, "it exists; name a new folder"),
+        (_open_parent, "would be made where others can write"),
+        (_sticky_parent, "--context-dir's folder .* is not this user's alone"),
+    ],
+    ids=["existing-folder-with-a-link", "in-a-folder-others-can-write", "right-in-a-shared-sticky-folder"],
 )
 def test_a_kept_context_folder_must_be_new_and_made_where_only_this_user_can_write(tmp_path, make, says):
     victim = tmp_path / "victim"

@@ -21,7 +21,7 @@ PACKAGE = Path(bwstack.__file__).parent
 # Lowest first. A name is a package (folder) or a top-level module of bwstack.
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"probe"}),
-    frozenset({"errors", "paths", "fsutil", "data"}),
+    frozenset({"errors", "paths", "fsutil", "data", "terminal"}),
     frozenset({"lock"}),
     frozenset({"store"}),
     frozenset({"provision"}),

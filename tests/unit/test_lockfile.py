@@ -354,6 +354,16 @@ CASES: list[tuple[str, Callable[[dict], None] | str, str]] = [
         "system_packages.debian-12: '-oDpkg::Pre-Invoke::=touch /tmp/pwn' is not a Debian package name",
     ),
     (
+        "cuda-apt-version-with-options",
+        _set("profiles.cu130.cuda.apt.version", "1' -oDPkg::Pre-Invoke::=id --allow-unauthenticated 'x"),
+        "profiles.cu130.cuda.apt.version: \"1' -oDPkg::Pre-Invoke::=id --allow-unauthenticated 'x\" is not valid",
+    ),
+    (
+        "cuda-apt-package-an-option",
+        _set("profiles.cu130.cuda.apt.package", "-oAPT::Get::AllowUnauthenticated=true"),
+        "profiles.cu130.cuda.apt.package: '-oAPT::Get::AllowUnauthenticated=true' is not valid",
+    ),
+    (
         "system-package-two-words",
         _set("system_packages.debian-12", ["libnuma1 ffmpeg"]),
         "system_packages.debian-12: 'libnuma1 ffmpeg' is not a Debian package name",

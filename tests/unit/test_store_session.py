@@ -156,3 +156,28 @@ def test_a_root_in_a_folder_another_user_owns_is_refused(tmp_path, exists):
     with pytest.raises(UsageError, match="the store root"), open_store(layout, print):
         pass
     assert not (layout.root / "bwstack.lock").exists()
+
+
+def test_a_folder_another_user_makes_on_the_way_to_a_new_root_is_refused(tmp_path, monkeypatch):
+    """Below a sticky shared folder (/tmp) another user can make a missing folder between the check and the
+    mkdir of the root: the root is judged again once it is made."""
+    from bwstack.store import session
+
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    layout = Layout(sticky / "x" / "store", tmp_path / "ml-env", None, None, cache_dir=tmp_path / "cache")
+    checked = session.check_private_folder
+    calls = []
+
+    def check_then_lose_the_race(folder, what, setting):
+        checked(folder, what, setting)
+        if not calls:
+            (sticky / "x").mkdir()  # the other user's folder, made in the window
+            os.chown(sticky / "x", 65534, 65534)
+        calls.append(folder)
+
+    monkeypatch.setattr(session, "check_private_folder", check_then_lose_the_race)
+    with pytest.raises(UsageError, match=r"the store root .* is not this user's alone"), open_store(layout, print):
+        pass
+    assert not (layout.root / "bwstack.lock").exists()

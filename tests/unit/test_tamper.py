@@ -526,3 +526,12 @@ def test_a_mount_point_with_a_space_in_its_name_is_read_from_the_mount_table(tmp
         "/opt/bwstack/generations/0001-x/env/with space"
     ]
     assert mounts_under(Path("/opt/bwstack/generations/0001-xy"), str(table)) == []
+
+
+def test_without_the_mount_table_a_filesystem_mounted_inside_is_still_found_by_its_device(tmp_path):
+    """/proc hidden or over-mounted: the table cannot be read, and removing must not go on blind."""
+    from bwstack.store.tree import mounts_under
+
+    (tmp_path / "tree").mkdir()
+    with _mounted(tmp_path / "tree" / "served") as mount:
+        assert mounts_under(tmp_path / "tree", str(tmp_path / "no-such-table")) == [str(mount)]

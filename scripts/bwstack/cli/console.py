@@ -9,19 +9,10 @@ stderr under --json. Warnings and refusals always go to stderr.
 from __future__ import annotations
 
 import json
-import re
 import sys
 from collections.abc import Callable
 
-# What a terminal acts on instead of showing: C0 controls but tab and newline, DEL, and C1 controls (an escape
-# sequence can clear the screen, set the title or print a verdict that is not the report's).
-_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
-def visible(text: str) -> str:
-    """`text` with every character a terminal would act on written out (\\x1b): human lines carry text read from
-    nodes, recordings and lock files, which whoever wrote them chose."""
-    return _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+from bwstack.terminal import visible
 
 
 class Console:

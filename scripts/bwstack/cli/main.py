@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from bwstack import __version__
 from bwstack.cli import options
 from bwstack.cli.commands import modules
-from bwstack.cli.console import visible
 from bwstack.errors import BwstackError, UsageError
 from bwstack.lock.model import default_lock_path
+from bwstack.terminal import visible
 
 
 def build_parser() -> argparse.ArgumentParser:

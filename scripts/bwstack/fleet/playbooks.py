@@ -42,6 +42,7 @@ from bwstack.fleet.settings import PlaybookSettings
 from bwstack.fsutil import atomic_write_bytes
 from bwstack.probe import pathtrust
 from bwstack.probe.treecheck import read_bounded, sha256_file
+from bwstack.terminal import visible
 
 GROUP = "bwstack_nodes"
 # Fixed zip timestamps (2026-01-01): an unchanged checkout gives the same wheel bytes, so shipping it to a
@@ -450,7 +451,7 @@ def run_playbook(playbook: str, settings: PlaybookSettings, extra_vars: dict) ->
                 cmd.append("--check")
             if settings.diff:
                 cmd.append("--diff")
-            print(f"bwstack: running {redact(shlex.join(cmd))}", file=sys.stderr, flush=True)
+            print(visible(f"bwstack: running {redact(shlex.join(cmd))}"), file=sys.stderr, flush=True)
             env = _ansible_env(directory, Path(tmp))
             if os.environ.get("BWSTACK_ANSIBLE_OUTPUT") == "stream":
                 code = _stream(cmd, env, directory, outcome)
@@ -467,7 +468,7 @@ def run_playbook(playbook: str, settings: PlaybookSettings, extra_vars: dict) ->
     if code != 0:
         where = outcome.summary(targets.labels)
         detail = f": {where}" if where else f" (exit {code}); see the output above"
-        print(f"bwstack: error: {playbook} failed{detail}", file=sys.stderr)
+        print(visible(f"bwstack: error: {playbook} failed{detail}"), file=sys.stderr)
         return 1
     return 0
 
@@ -478,7 +479,7 @@ def _stream(cmd: list[str], env: dict, cwd: Path, outcome: _Outcome) -> int:
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
-            sys.stdout.write(line)
+            sys.stdout.write(visible(line))
             sys.stdout.flush()
             outcome.read(line)
         return proc.wait()
@@ -499,12 +500,12 @@ def _run_quiet(cmd: list[str], env: dict, cwd: Path, outcome: _Outcome, tmp: Pat
     from bwstack.fleet import phases
 
     log = phases.new_log("provision" if "provision" in cmd[1] else Path(cmd[1]).stem)
-    print(f"bwstack: Ansible's output: {log}", flush=True)
+    print(visible(f"bwstack: Ansible's output: {log}"), flush=True)
     events_path = tmp / "events.jsonl"
     events_path.touch()
     env = {**env, "BWSTACK_EVENTS": str(events_path), "ANSIBLE_CALLBACKS_ENABLED": _callbacks(env),
            "ANSIBLE_CALLBACK_PLUGINS": _callback_dirs(cwd, env)}  # fmt: skip
-    report = phases.PhaseReport(lambda line: print(line, flush=True))
+    report = phases.PhaseReport(lambda line: print(visible(line), flush=True))
     tail = phases.EventTail(events_path)
     watch = phases.DownloadWatch(tmp / "progress.json")
     with open(log, "a", encoding="utf-8") as out, watch:
@@ -524,9 +525,9 @@ def _run_quiet(cmd: list[str], env: dict, cwd: Path, outcome: _Outcome, tmp: Pat
         report.feed(event)
     report.finish()
     for failure in report.failures:
-        print(f"bwstack: {failure}", flush=True)
+        print(visible(f"bwstack: {failure}"), flush=True)
     if code != 0:
-        print(f"bwstack: the whole Ansible output is in {log}", flush=True)
+        print(visible(f"bwstack: the whole Ansible output is in {log}"), flush=True)
     return code
 
 

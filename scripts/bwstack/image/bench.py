@@ -13,13 +13,14 @@ from pathlib import Path
 from bwstack.errors import BwstackError
 from bwstack.image import context, wheels
 from bwstack.image.build import ImageBuildOptions, build_image
+from bwstack.terminal import visible
 
 Log = Callable[[str], None]
 CI_BASE_TAG = "bwstack-ci-base:bookworm-py312"
 
 
 def _stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    print(visible(message), file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from bwstack.errors import BwstackError, UsageError
 from bwstack.image import context, daemon, labels, server, tool, wheels
+from bwstack.terminal import visible
 
 DEFAULT_BUILD_PORT = 0  # any free port: the address reaches the build in http_proxy, outside the cache key
 
@@ -42,7 +43,7 @@ Log = Callable[[str], None]
 def _stderr(message: str) -> None:
     import sys
 
-    print(message, file=sys.stderr, flush=True)
+    print(visible(message), file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)

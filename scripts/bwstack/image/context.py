@@ -171,6 +171,8 @@ def check_kept_context(dest: Path) -> None:
     if os.path.lexists(dest):
         raise UsageError(f"--context-dir {dest}: it exists; name a new folder (bwstack makes it)")
     check_private_folder(dest, "--context-dir", "--context-dir")
+    if os.path.isdir(dest.parent):  # as keep_context judges it, before the build (a shared /tmp is not this user's)
+        check_private_folder(dest.parent, "--context-dir's folder", "--context-dir")
 
 
 def keep_context(staged: Path, dest: Path) -> None:

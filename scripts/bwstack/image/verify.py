@@ -18,13 +18,14 @@ from pathlib import Path
 from bwstack.errors import UsageError
 from bwstack.image import daemon
 from bwstack.image.labels import ENV_PATH, LABEL_PROFILE
+from bwstack.terminal import visible
 
 Log = Callable[[str], None]
 CONTAINER_LABEL = "io.bwstack.checks.verify"
 
 
 def _stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    print(visible(message), file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)

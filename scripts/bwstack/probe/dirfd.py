@@ -15,6 +15,7 @@ import errno
 import hashlib
 import os
 import secrets
+import stat
 from collections.abc import Iterable
 
 FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -136,3 +137,48 @@ def open_beneath(root: int, path: str) -> int:
     finally:
         for fd in stack:
             os.close(fd)
+
+
+class OthersLink(OSError):
+    """A link another user made, on the way to a folder root was told to read."""
+
+
+def open_trusted_folder(path: str | os.PathLike[str]) -> int:
+    """The folder `path` names, opened one name at a time from / (or the working folder) with O_NOFOLLOW. A link on
+    the way is followed only when root or this user made it (/var/run -> /run, a home moved to another disk):
+    one another user made, in a folder they can write, would let them point root's read at a folder of root's
+    own choosing (OthersLink). Raises OSError as open() would (ENOENT, ENOTDIR, ELOOP past MAX_LINKS)."""
+    text = os.fspath(path)
+    todo = [p for p in text.split("/") if p][::-1]
+    fd = os.open("/" if text.startswith("/") else ".", FOLDER_FLAGS)
+    links = 0
+    try:
+        while todo:
+            name = todo.pop()
+            if name == ".":
+                continue
+            try:
+                sub = os.open(name, FOLDER_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if not stat.S_ISLNK(st.st_mode):
+                    raise
+                if st.st_uid not in (0, os.geteuid()):
+                    raise OthersLink(errno.EPERM, f"a link uid {st.st_uid} made, not followed", name) from None
+                links += 1
+                if links > MAX_LINKS:
+                    raise OSError(errno.ELOOP, "too many links", text) from None
+                target = os.readlink(name, dir_fd=fd)
+                if target.startswith("/"):
+                    os.close(fd)
+                    fd = os.open("/", FOLDER_FLAGS)
+                todo.extend(p for p in reversed(target.split("/")) if p)
+                continue
+            os.close(fd)
+            fd = sub
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise

@@ -69,6 +69,14 @@ def check_store_root(layout: Layout) -> None:
     # Who can write the folders above it: another user who can rename the root away could put a folder of theirs
     # in its place after this check, and the run would open the store there.
     check_private_folder(root, "the store root", "--root")
+    if not os.path.lexists(root):
+        # Made here, then judged as made: below a sticky shared folder (/tmp) another user could have made a
+        # missing folder on the way between the check above and the mkdir, which would take it as it found it.
+        try:
+            os.makedirs(root, mode=0o755, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"store root {root}: cannot be made ({exc.strerror or exc})") from None
+        check_private_folder(root, "the store root", "--root")
     try:
         st = os.lstat(root)
         entries = os.listdir(root) if stat.S_ISDIR(st.st_mode) else None

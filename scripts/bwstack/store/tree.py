@@ -4,6 +4,7 @@ lchown, unlink)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -69,21 +70,43 @@ MOUNTINFO = "/proc/self/mountinfo"
 
 def mounts_under(path: Path, mountinfo: str = MOUNTINFO) -> list[str]:
     """The mount points at or below `path` (its real path), as this process's mount table lists them: a bind
-    mount of the same filesystem included, which no st_dev shows. [] when the table cannot be read."""
+    mount of the same filesystem included, which no st_dev shows. Without the table (no /proc, or a table that
+    does not read whole): the folders below `path` on another device than it."""
     real = os.path.realpath(path)
     try:
-        with open(mountinfo, encoding="utf-8", errors="surrogateescape") as table:
-            lines = table.read(1 << 22).splitlines()
+        with open(mountinfo, "rb") as table:
+            data = table.read(MAX_MOUNTINFO + 1)
+        if len(data) > MAX_MOUNTINFO:
+            raise OSError(errno.EFBIG, "larger than bwstack reads")
     except OSError:
-        return []
+        return _other_devices_under(real)
     found = []
-    for line in lines:
+    for line in data.decode("utf-8", errors="surrogateescape").splitlines():
         fields = line.split(" ")
         if len(fields) > 4:
             # Field 5 is the mount point, with space, tab, newline and backslash written as octal escapes.
             point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
             if point == real or point.startswith(real.rstrip("/") + "/"):
                 found.append(point)
+    return found
+
+
+MAX_MOUNTINFO = 64 << 20  # a host with a hundred thousand mounts has a table of about 15 MiB
+
+
+def _other_devices_under(real: str) -> list[str]:
+    try:
+        device = os.lstat(real).st_dev
+    except OSError:
+        return []
+    found = []
+    for dirpath, dirnames, _ in os.walk(real):
+        for name in list(dirnames):
+            full = os.path.join(dirpath, name)
+            with contextlib.suppress(OSError):
+                if os.lstat(full).st_dev != device:
+                    found.append(full)
+                    dirnames.remove(name)
     return found
 
 

@@ -85,7 +85,9 @@ def stdout_of(out: Output | Unknown) -> str | Unknown:
 class Machine:
     """Files under `root` and commands from `runner`. Every read returns the text or an Unknown."""
 
-    def __init__(self, root: str | Path = "/", commands: Path | None = None, label: str = "") -> None:
+    def __init__(
+        self, root: str | Path = "/", commands: Path | None = None, label: str = "", root_fd: int | None = None
+    ) -> None:
         self.root = Path(root)
         self.commands = commands  # a recorded description's commands/ directory; None runs them for real
         self.live = commands is None and str(root) == "/"
@@ -94,7 +96,10 @@ class Machine:
         # A recorded description is read through a descriptor of its folder, opened once, and every path in it
         # is looked up beneath it (dirfd.open_beneath): its owner may be another user, who could swap a name for
         # a link to a file only root may read while root replays it.
-        self._root_fd = -1 if self.live else os.open(self.root, dirfd.FOLDER_FLAGS & ~os.O_NOFOLLOW)
+        if root_fd is not None:
+            self._root_fd = root_fd
+        else:
+            self._root_fd = -1 if self.live else dirfd.open_trusted_folder(self.root)
         if not self.live:
             saved = self.root / UNREADABLE_FILE
             data = self._own_file(UNREADABLE_FILE, MAX_FILE_BYTES)
@@ -104,20 +109,33 @@ class Machine:
                 data = Unknown(f"not a JSON object of path -> reason ({exc})")
             well_formed = isinstance(doc, dict) and all(isinstance(v, str) for v in doc.values())
             if isinstance(data, Unknown) or not well_formed:
-                self.close()
+                if root_fd is None:
+                    self.close()  # opened here; a descriptor handed in is its giver's to close
+                else:
+                    self._root_fd = -1
                 why = data.why if isinstance(data, Unknown) else "not a JSON object of path -> reason"
                 raise ValueError(f"{saved}: {why}")
-            self._unreadable = doc
+            self._unreadable = {k: " ".join(v.split()) for k, v in doc.items()}  # a reason is one line of a report
 
     @classmethod
     def recorded(cls, directory: str | Path) -> Machine:
         """A recorded machine description (raises ValueError when `directory` is not one)."""
         path = Path(directory)
-        if not path.is_dir():
-            raise ValueError(f"{path}: no such directory")
-        if not any((path / part).is_dir() for part in ("sys", "proc", "commands")):
-            raise ValueError(f"{path}: not a recorded machine description (no sys/, proc/ or commands/ in it)")
-        return cls(path.resolve(), commands=path.resolve() / "commands", label=str(path))
+        try:
+            fd = dirfd.open_trusted_folder(path)
+        except dirfd.OthersLink as exc:
+            raise ValueError(f"{path}: {exc.filename} is {exc.strerror}: name the recording's folder itself") from None
+        except (FileNotFoundError, NotADirectoryError):
+            raise ValueError(f"{path}: no such directory") from None
+        except OSError as exc:
+            raise ValueError(f"{path}: {exc.strerror or exc}") from None
+        try:
+            if not any(_is_folder(part, fd) for part in ("sys", "proc", "commands")):
+                raise ValueError(f"{path}: not a recorded machine description (no sys/, proc/ or commands/ in it)")
+            return cls(path, commands=path / "commands", label=str(path), root_fd=fd)
+        except BaseException:
+            os.close(fd)
+            raise
 
     def close(self) -> None:
         """Let go of what the machine holds (a recording's folder)."""
@@ -370,6 +388,13 @@ def _open_recording(directory: Path) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _is_folder(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
 
 
 def _exists(name: str, dir_fd: int) -> bool:
