@@ -424,6 +424,14 @@ def test_a_link_another_user_made_to_a_recording_is_not_followed(tmp_path, where
         Machine.recorded(named)
 
 
+def test_a_processs_link_in_proc_is_not_followed_to_a_recording(tmp_path, monkeypatch):
+    """/proc/<pid>/cwd, root and fd/N are root's links whoever's process they are (one that made itself
+    undumpable), and their text would be read again in root's view, not the process's."""
+    monkeypatch.chdir(_hostile_copy(tmp_path))
+    with pytest.raises(ValueError, match="a process's link in /proc, not followed"):
+        Machine.recorded("/proc/self/cwd")
+
+
 def test_a_link_root_made_on_the_way_to_a_recording_is_followed(tmp_path):
     (tmp_path / "moved").symlink_to(_hostile_copy(tmp_path))
     assert Machine.recorded(tmp_path / "moved").read("/proc/cmdline") == Machine.recorded(tmp_path / "machine").read(
@@ -436,6 +444,22 @@ def test_a_reason_a_recording_gives_is_one_line_of_the_report(tmp_path):
     (copy / "unreadable.json").write_text(json.dumps({"/proc/cmdline": "x\n\nACCEPTED: forged\n"}))
     value = Machine.recorded(copy).read("/proc/cmdline")
     assert isinstance(value, Unknown) and value.why == "x ACCEPTED: forged"
+
+
+def test_an_unreadable_json_nested_past_the_parsers_depth_is_refused_and_holds_nothing_open(tmp_path):
+    copy = _hostile_copy(tmp_path)
+    (copy / "unreadable.json").write_text("[" * 100_000)
+    before = sorted(os.listdir("/proc/self/fd"))
+    with pytest.raises(ValueError, match=r"unreadable\.json: not a JSON object"):
+        Machine.recorded(copy)
+    assert sorted(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_value_a_recording_gives_cannot_start_a_line_of_the_report(tmp_path):
+    copy = _hostile_copy(tmp_path)
+    (copy / "sys/module/nvidia_uvm/parameters/uvm_disable_hmm").write_text("Y\nFORGED a row of the table\n")
+    result = _accept("--machine", str(copy), "--no-runtime")
+    assert not any(line.startswith("FORGED") for line in result.stdout.splitlines()), result.stdout
 
 
 HOSTILE_COMMANDS = [

@@ -178,6 +178,34 @@ def test_a_folder_another_user_makes_on_the_way_to_a_new_root_is_refused(tmp_pat
         calls.append(folder)
 
     monkeypatch.setattr(session, "check_private_folder", check_then_lose_the_race)
-    with pytest.raises(UsageError, match=r"the store root .* is not this user's alone"), open_store(layout, print):
+    with (
+        pytest.raises(UsageError, match=r"store root .* cannot be made: a folder uid 65534 owns"),
+        open_store(layout, print),
+    ):
         pass
-    assert not (layout.root / "bwstack.lock").exists()
+    assert os.listdir(sticky / "x") == []  # nothing of root's left in the other user's folder
+
+
+def test_a_link_another_user_plants_on_the_way_to_a_new_root_is_never_made_through(tmp_path, monkeypatch):
+    """makedirs would follow it and make root's folders wherever it points; the store's folders are made one name
+    at a time, none through a link, and those this run made are removed again on a refusal."""
+    from bwstack.store import session
+
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    victim = tmp_path / "victim"
+    victim.mkdir(mode=0o700)
+    layout = Layout(sticky / "x" / "b" / "store", tmp_path / "ml-env", None, None, cache_dir=tmp_path / "cache")
+    checked = session.check_private_folder
+
+    def check_then_lose_the_race(folder, what, setting):
+        checked(folder, what, setting)
+        if not (sticky / "x").is_symlink():
+            (sticky / "x").symlink_to(victim)  # the other user's link, made in the window
+            os.lchown(sticky / "x", 65534, 65534)
+
+    monkeypatch.setattr(session, "check_private_folder", check_then_lose_the_race)
+    with pytest.raises(UsageError, match="cannot be made"), open_store(layout, print):
+        pass
+    assert os.listdir(victim) == []

@@ -20,6 +20,9 @@ from bwstack.terminal import visible
         ("zero\u200bwidth", "zero\\u200bwidth"),
         ("one\u2028two", "one\\u2028two"),
         ("\ufeffbom", "\\ufeffbom"),
+        ("soft\u00adhyphen", "soft\\xadhyphen"),
+        ("tag\U000e0041", "tag\\U000e0041"),
+        ("private\ue000use", "private\\ue000use"),
     ],
     ids=[
         "escape-sequence",
@@ -31,6 +34,9 @@ from bwstack.terminal import visible
         "zero-width-space",
         "line-separator",
         "bom",
+        "soft-hyphen",
+        "tag-character",
+        "private-use",
     ],
 )
 def test_what_a_terminal_acts_on_is_written_out(text, shown):
@@ -40,3 +46,9 @@ def test_what_a_terminal_acts_on_is_written_out(text, shown):
 @pytest.mark.parametrize("text", ["a table\twith tabs\nand lines", "GPU0 H200 842 TFLOP/s", "ünïcödé 名前 ✓"])
 def test_text_a_terminal_only_shows_is_kept_as_it_is(text):
     assert visible(text) == text
+
+
+def test_a_single_value_stays_on_its_line():
+    from bwstack.terminal import one_line
+
+    assert one_line("Y\nFORGED-3 hmm\r\nx\ry") == "Y\\nFORGED-3 hmm\\nx\\ry"

@@ -12,6 +12,7 @@ from bwstack.accept.runtime import AllReduceRun, BenchRun
 from bwstack.probe.hw.facts import GENERATION_OF_SPEED, MachineFacts, jsonable
 from bwstack.probe.hw.judge import Finding, Verdict
 from bwstack.probe.hw.machine import Unknown
+from bwstack.terminal import one_line
 
 
 class NodeVerdict(enum.Enum):
@@ -89,9 +90,9 @@ class AcceptReport:
         width = max(len(f.check) for f in self.findings) if self.findings else 10
         lines.append(f"{'CHECK':<{width}}  {'RESULT':<7}  DETAIL")
         for f in self.findings:
-            lines.append(f"{f.check:<{width}}  {f.verdict.value:<7}  {f.detail}")
+            lines.append(f"{f.check:<{width}}  {f.verdict.value:<7}  {one_line(f.detail)}")
             if f.fix and f.verdict is not Verdict.PASS:
-                lines.append(f"{'':<{width}}  {'':<7}  fix: {f.fix}")
+                lines.append(f"{'':<{width}}  {'':<7}  fix: {one_line(f.fix)}")
         lines += ["", *self._gpu_table()]
         lines += ["", *self._runtime_lines()]
         lines += ["", self.verdict_line()]
@@ -227,5 +228,6 @@ def _plain(run: Any) -> dict[str, Any] | None:
 
 
 def _columns(rows: list[tuple[str, ...]]) -> list[str]:
+    rows = [tuple(one_line(c) for c in r) for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]

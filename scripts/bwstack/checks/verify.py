@@ -32,6 +32,7 @@ from bwstack.checks import hostspec
 from bwstack.errors import BwstackError, UsageError
 from bwstack.probe import waivers
 from bwstack.probe.waivers import WAIVED
+from bwstack.terminal import one_line
 
 RESULT_ORDER = {"failed": 0, "error": 1, "passed": 2, "skipped": 3}
 # How long a host may keep the checks waiting before it counts as gone (ssh keep-alive: 10 s x 3).
@@ -471,10 +472,10 @@ def render(items: Sequence[CheckResult] | Sequence[HostReport]) -> str:
             continue
         lines.append(f"{rep.label}:")
         for r in sorted(rep.checks, key=lambda r: (RESULT_ORDER.get(r.outcome, 9), r.check)):
-            line = f"  {marks.get(r.outcome, r.outcome):<5} {r.check:<{width}}  {r.message}"
+            line = f"  {marks.get(r.outcome, r.outcome):<5} {r.check:<{width}}  {one_line(r.message)}"
             lines.append(line.rstrip())
             for note in r.notes:
-                lines.append(f"  {'':<5} {'':<{width}}  note: {note}")
+                lines.append(f"  {'':<5} {'':<{width}}  note: {one_line(note)}")
         counts = {k: sum(r.outcome == k for r in rep.checks) for k in ("passed", "failed", "error", "skipped")}
         lines.append(
             f"  {counts['passed']} passed, {counts['failed'] + counts['error']} failed, {counts['skipped']} skipped"

@@ -167,6 +167,10 @@ def open_trusted_folder(path: str | os.PathLike[str]) -> int:
                     raise
                 if st.st_uid not in (0, os.geteuid()):
                     raise OthersLink(errno.EPERM, f"a link uid {st.st_uid} made, not followed", name) from None
+                if st.st_dev == _procfs_device() and name not in ("self", "thread-self"):
+                    # /proc/<pid>/cwd, root, fd/N: root's own name for them whoever's process they are (one that
+                    # made itself undumpable), and their text is read again in root's view, not the process's.
+                    raise OthersLink(errno.EPERM, "a process's link in /proc, not followed", name) from None
                 links += 1
                 if links > MAX_LINKS:
                     raise OSError(errno.ELOOP, "too many links", text) from None
@@ -182,3 +186,54 @@ def open_trusted_folder(path: str | os.PathLike[str]) -> int:
     except BaseException:
         os.close(fd)
         raise
+
+
+def _procfs_device() -> int:
+    try:
+        return os.stat("/proc/self", follow_symlinks=False).st_dev
+    except OSError:
+        return -1
+
+
+def make_folders(path: str | os.PathLike[str], mode: int = 0o755) -> list[str]:
+    """`path` and every missing folder above it made by this user, one name at a time: the nearest existing one
+    opened as open_trusted_folder does, then each new one made (mkdir) and opened with no link followed, and
+    judged by its descriptor (this user's). So a link or another user's folder that appears on the way (below a
+    shared sticky folder such as /tmp) is refused, never made into or through (OthersLink, OSError). Returns the
+    folders made, outermost first; on a refusal, those made by this call are removed again."""
+    text = os.path.abspath(os.fspath(path))
+    missing: list[str] = []
+    base = text
+    while not os.path.lexists(base) and base != "/":
+        base, name = os.path.split(base)
+        missing.append(name)
+    fd = open_trusted_folder(base)
+    made: list[str] = []
+    try:
+        owner = os.fstat(fd).st_uid
+        if missing and owner not in (0, os.geteuid()):  # nothing of this user's goes into another user's folder
+            raise OthersLink(errno.EPERM, f"a folder uid {owner} owns", base)
+        for name in reversed(missing):
+            try:
+                os.mkdir(name, mode, dir_fd=fd)
+                made.append(os.path.join(base, name))
+            except FileExistsError:
+                pass
+            try:
+                sub = os.open(name, FOLDER_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                raise OthersLink(exc.errno, f"{exc.strerror} (a link or a file appeared there)", name) from None
+            os.close(fd)
+            fd = sub
+            owner = os.fstat(fd).st_uid
+            if owner != os.geteuid():
+                raise OthersLink(errno.EPERM, f"a folder uid {owner} made on the way", os.path.join(base, name))
+            base = os.path.join(base, name)
+        return made
+    except BaseException:
+        for folder in reversed(made):
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+        raise
+    finally:
+        os.close(fd)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from bwstack.errors import UsageError
 from bwstack.fsutil import atomic_symlink
+from bwstack.probe import dirfd
 from bwstack.store.generations import Store
 from bwstack.store.layout import Layout, check_cache, check_private_folder
 from bwstack.store.runlock import NAME as LOCK_NAME
@@ -73,9 +74,10 @@ def check_store_root(layout: Layout) -> None:
         # Made here, then judged as made: below a sticky shared folder (/tmp) another user could have made a
         # missing folder on the way between the check above and the mkdir, which would take it as it found it.
         try:
-            os.makedirs(root, mode=0o755, exist_ok=True)
+            dirfd.make_folders(root, 0o755)
         except OSError as exc:
-            raise UsageError(f"store root {root}: cannot be made ({exc.strerror or exc})") from None
+            where = f" ({exc.filename})" if exc.filename else ""
+            raise UsageError(f"store root {root}: cannot be made: {exc.strerror or exc}{where}") from None
         check_private_folder(root, "the store root", "--root")
     try:
         st = os.lstat(root)

@@ -101,21 +101,30 @@ class Machine:
         else:
             self._root_fd = -1 if self.live else dirfd.open_trusted_folder(self.root)
         if not self.live:
-            saved = self.root / UNREADABLE_FILE
-            data = self._own_file(UNREADABLE_FILE, MAX_FILE_BYTES)
             try:
-                doc = json.loads(data) if isinstance(data, str) else {}
-            except ValueError as exc:
-                data = Unknown(f"not a JSON object of path -> reason ({exc})")
-            well_formed = isinstance(doc, dict) and all(isinstance(v, str) for v in doc.values())
-            if isinstance(data, Unknown) or not well_formed:
+                self._unreadable = self._load_unreadable()
+            except BaseException:
                 if root_fd is None:
                     self.close()  # opened here; a descriptor handed in is its giver's to close
                 else:
                     self._root_fd = -1
-                why = data.why if isinstance(data, Unknown) else "not a JSON object of path -> reason"
-                raise ValueError(f"{saved}: {why}")
-            self._unreadable = {k: " ".join(v.split()) for k, v in doc.items()}  # a reason is one line of a report
+                raise
+
+    def _load_unreadable(self) -> dict[str, str]:
+        """A recording's unreadable.json: path -> why it could not be read (ValueError when it is not that)."""
+        saved = self.root / UNREADABLE_FILE
+        data = self._own_file(UNREADABLE_FILE, MAX_FILE_BYTES)
+        doc: object = {}
+        try:
+            doc = json.loads(data) if isinstance(data, str) else {}
+        except (ValueError, RecursionError) as exc:  # RecursionError: [[[[... nested past the parser's depth
+            data = Unknown(f"not a JSON object of path -> reason ({type(exc).__name__})")
+        well_formed = isinstance(doc, dict) and all(isinstance(v, str) for v in doc.values())
+        if isinstance(data, Unknown) or not well_formed:
+            why = data.why if isinstance(data, Unknown) else "not a JSON object of path -> reason"
+            raise ValueError(f"{saved}: {why}")
+        assert isinstance(doc, dict)
+        return {k: " ".join(v.split()) for k, v in doc.items()}  # a reason is one line of a report
 
     @classmethod
     def recorded(cls, directory: str | Path) -> Machine:
