@@ -559,3 +559,53 @@ def test_ssh_connection_values_reach_the_inventory_as_text_never_as_templates(tm
     )  # fmt: skip
     assert result.returncode != 0
     assert not marker.exists(), "the template in the key's path ran"
+
+
+_ECHO_FACTS = ["/bin/sh", "-c", "echo '{}'", "sh"]  # a stand-in controller: `controller-facts` answering {}
+
+
+def _controller_facts_play(tmp_path: Path, before: list[dict]) -> Path:
+    """A play of the real controller_facts.yml (what every role imports first), after `before`."""
+    tasks = [
+        *before,
+        {
+            "ansible.builtin.import_tasks": str(ANSIBLE / "roles" / "bwstack" / "tasks" / "controller_facts.yml"),
+            "vars": {"bwstack_lock": "", "bwstack_controller_facts_args": "{{ ['--profile', bwstack_profile] }}"},
+        },
+    ]
+    path = tmp_path / "play.yml"
+    path.write_text(yaml.safe_dump([{"hosts": "bwstack_nodes", "gather_facts": False, "tasks": tasks}]))
+    return path
+
+
+@needs_ansible
+def test_a_nodes_facts_never_become_variables_the_controller_runs(tmp_path):
+    """A compromised node answers every module call: facts it reports, injected as variables (Ansible's default),
+    would outrank host_vars and role defaults, such as the command the controller runs for the lock."""
+    marker = tmp_path / "ran-on-controller"
+    (tmp_path / "library").mkdir()
+    (tmp_path / "library" / "node_reply.py").write_text(
+        "#!/usr/bin/python3\nimport json\n"
+        f"print(json.dumps({{'changed': False, 'ansible_facts': {{'bwstack_controller_bwstack': "
+        f"['/bin/sh', '-c', 'touch {marker}; echo {{}}', 'sh']}}}}))\n"
+    )
+    play = _controller_facts_play(tmp_path, [{"node_reply": {}}])
+    hosts = {"node": {"bwstack_controller_bwstack": _ECHO_FACTS, "bwstack_profile": "cu128"}}
+    result = run([tool("ansible-playbook"), "-i", str(local_inventory(tmp_path / "hosts.yml", hosts)), str(play)])
+    assert result.rc == 0, result.out[-2000:]
+    assert not marker.exists(), "the node's fact ran as the controller's command"
+
+
+@needs_ansible
+def test_a_host_set_up_with_another_profile_than_its_batch_fails_instead_of_taking_the_first_hosts(tmp_path):
+    """The lock is read once per batch, with its first host's settings: a host whose host_vars name another lock,
+    profile or wheel would otherwise be provisioned from the first host's."""
+    play = _controller_facts_play(tmp_path, [])
+    hosts = {
+        "team-a": {"bwstack_controller_bwstack": _ECHO_FACTS, "bwstack_profile": "cu128"},
+        "team-b": {"bwstack_controller_bwstack": _ECHO_FACTS, "bwstack_profile": "cu130"},
+    }
+    result = run([tool("ansible-playbook"), "-i", str(local_inventory(tmp_path / "hosts.yml", hosts)), str(play)])
+    assert result.rc != 0
+    assert "team-b is set up with another lock, profile, wheel or controller cache than team-a" in result.out
+    assert "team-a                     : ok=" in result.out and "failed=0" in result.out.split("team-a", 2)[-1]
