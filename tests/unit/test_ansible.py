@@ -609,3 +609,25 @@ def test_a_host_set_up_with_another_profile_than_its_batch_fails_instead_of_taki
     assert result.rc != 0
     assert "team-b is set up with another lock, profile, wheel or controller cache than team-a" in result.out
     assert "team-a                     : ok=" in result.out and "failed=0" in result.out.split("team-a", 2)[-1]
+
+
+@needs_ansible
+def test_pips_error_shows_neither_the_index_url_nor_credentials_in_urls(tmp_path):
+    """A token may sit in the index URL's path or query, where the user:pass@ masking does not reach."""
+    url = "https://mirror.example/simple?token=S3CRET-TOKEN"
+    tasks = _tasks(yaml.safe_load((ANSIBLE / "roles" / "bwstack_tool" / "tasks" / "install.yml").read_text()))
+    fail = next(t for t in tasks if t.get("name", "").startswith("Fail with pip's error"))
+    play = [{"hosts": "bwstack_nodes", "gather_facts": False, "tasks": [fail], "vars": {
+        "bwstack_tool_index_url": url,
+        "bwstack_tool_venv": "/opt/bwstack/tool",
+        "bwstack_tool_facts": {"wheel": {"name": "bwstack-0.1.0-py3-none-any.whl"}},
+        "bwstack_tool_pip": {"rc": 1, "stderr_lines": [
+            f"ERROR: Could not fetch {url}/torch/ (HTTP 403)", "Looking in https://deploy:OTHER-SECRET@a.example/x",
+        ]},
+    }}]  # fmt: skip
+    path = tmp_path / "play.yml"
+    path.write_text(yaml.safe_dump(play, sort_keys=False))
+    result = run([tool("ansible-playbook"), "-i", str(local_inventory(tmp_path / "hosts.yml")), str(path)])
+    assert result.rc != 0 and "pip could not install" in result.out
+    assert "S3CRET" not in result.out and "OTHER-SECRET" not in result.out
+    assert "<the index URL>/torch/" in result.out and "://***@a.example" in result.out
