@@ -48,7 +48,7 @@ STORE_NAMES = frozenset(
 # What a write into the root leaves for a moment: bwstack's atomic writes (`.<name>.<random>.tmp`) and Ansible's
 # copy of the lock or wheel (`.ansible_tmp<8 random characters><name>`, its atomic_move).
 _PASSING = re.compile(r"\.(?P<name>[^/]+?)\.[A-Za-z0-9_]+\.tmp|\.ansible_tmp[a-z0-9_]{8}(?P<copied>[^/]+)")
-# What the filesystem itself keeps at a root that is a filesystem of its own (a disk for /opt/bwstack: ext4's
+# What the filesystem itself keeps at a root that is a filesystem of its own (a disk of its own for the store: ext4's
 # lost+found) or on NFS (.nfsXXXX: a file removed while still open).
 _FILESYSTEM_NAMES = re.compile(r"lost\+found|\.nfs[0-9a-fA-F]+")
 
