@@ -119,15 +119,8 @@ def open_beneath(root: int, path: str) -> int:
             try:
                 fd = os.open(name, flags, dir_fd=stack[-1])
             except OSError as exc:
-                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
-                    raise
-                try:
-                    target = os.readlink(name, dir_fd=stack[-1])
-                except OSError:
-                    raise exc from None  # not a link (a file where a folder was wanted): as the open said
+                _link, target = _link_hit(exc, name, stack[-1], links, path)
                 links += 1
-                if links > MAX_LINKS:
-                    raise OSError(errno.ELOOP, "too many links", path) from None
                 if target.startswith("/"):
                     raise Outside(f"{path} leads out of the folder it is read in (a link to {target})") from None
                 todo.extend(p for p in reversed(target.split("/")) if p)
@@ -137,6 +130,23 @@ def open_beneath(root: int, path: str) -> int:
     finally:
         for fd in stack:
             os.close(fd)
+
+
+def _link_hit(failed: OSError, name: str, folder: int, links: int, path: str) -> tuple[os.stat_result, str]:
+    """The link `name` in `folder` that an O_NOFOLLOW open of it ran into (ELOOP, or ENOTDIR where a folder was
+    wanted): its lstat and target. `failed` again when it is not a link; ELOOP once MAX_LINKS were followed."""
+    if failed.errno not in (errno.ELOOP, errno.ENOTDIR):
+        raise failed
+    try:
+        st = os.stat(name, dir_fd=folder, follow_symlinks=False)
+        if not stat.S_ISLNK(st.st_mode):
+            raise failed
+        target = os.readlink(name, dir_fd=folder)
+    except OSError:
+        raise failed from None  # not a link (a file where a folder was wanted), or gone: as the open said
+    if links >= MAX_LINKS:
+        raise OSError(errno.ELOOP, "too many links", path) from None
+    return st, target
 
 
 class OthersLink(OSError):
@@ -160,21 +170,14 @@ def open_trusted_folder(path: str | os.PathLike[str]) -> int:
             try:
                 sub = os.open(name, FOLDER_FLAGS, dir_fd=fd)
             except OSError as exc:
-                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
-                    raise
-                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                if not stat.S_ISLNK(st.st_mode):
-                    raise
-                if st.st_uid not in (0, os.geteuid()):
-                    raise OthersLink(errno.EPERM, f"a link uid {st.st_uid} made, not followed", name) from None
-                if st.st_dev == _procfs_device() and name not in ("self", "thread-self"):
+                link, target = _link_hit(exc, name, fd, links, text)
+                links += 1
+                if link.st_uid not in (0, os.geteuid()):
+                    raise OthersLink(errno.EPERM, f"a link uid {link.st_uid} made, not followed", name) from None
+                if link.st_dev == _procfs_device() and name not in ("self", "thread-self"):
                     # /proc/<pid>/cwd, root, fd/N: root's own name for them whoever's process they are (one that
                     # made itself undumpable), and their text is read again in root's view, not the process's.
                     raise OthersLink(errno.EPERM, "a process's link in /proc, not followed", name) from None
-                links += 1
-                if links > MAX_LINKS:
-                    raise OSError(errno.ELOOP, "too many links", text) from None
-                target = os.readlink(name, dir_fd=fd)
                 if target.startswith("/"):
                     os.close(fd)
                     fd = os.open("/", FOLDER_FLAGS)
