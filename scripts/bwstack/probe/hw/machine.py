@@ -169,18 +169,9 @@ class Machine:
 
     def _recorded_file(self, path: str, limit: int) -> str | Unknown:
         """The text of a regular file at machine path `path`, at most `limit` bytes."""
-        if not path.startswith("/") or "\0" in path:
-            return Unknown(f"{path!r} is not an absolute path")
-        try:
-            fd = self._opened(path)
-        except dirfd.Outside:
-            return Unknown(f"{path} leads outside the recorded machine {self.label}")
-        except FileNotFoundError:
-            return Unknown(f"{path} does not exist")
-        except PermissionError:
-            return Unknown(f"{path} is not readable by this user (run as root)")
-        except OSError as exc:
-            return Unknown(f"{path} cannot be opened: {exc.strerror}")
+        fd = self._looked_up(path, "opened")
+        if isinstance(fd, Unknown):
+            return fd
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 return Unknown(f"{path} is not a regular file")
@@ -225,18 +216,27 @@ class Machine:
             return Unknown(self._unreadable[path])
         return self._recorded_file(path, MAX_FILE_BYTES)
 
-    def _parent_and_name(self, path: str) -> tuple[int, str] | Unknown:
+    def _looked_up(self, path: str, failing: str, parent: bool = False) -> int | Unknown:
+        """A descriptor of machine path `path` (with `parent`: of the folder it is in), or why there is none;
+        `failing` says what could not be done with it ("opened", "listed", "looked up")."""
         if not path.startswith("/") or "\0" in path:
             return Unknown(f"{path!r} is not an absolute path")
-        parent, name = os.path.split(path.rstrip("/") or "/")
         try:
-            return self._opened(parent), name
+            if parent:
+                return self._opened(os.path.dirname(path.rstrip("/")) or "/")
+            return self._opened(path)
         except dirfd.Outside:
             return Unknown(f"{path} leads outside the recorded machine {self.label}")
         except FileNotFoundError:
             return Unknown(f"{path} does not exist")
+        except PermissionError:
+            return Unknown(f"{path} is not readable by this user (run as root)")
         except OSError as exc:
-            return Unknown(f"{path} cannot be looked up: {exc.strerror}")
+            return Unknown(f"{path} cannot be {failing}: {exc.strerror}")
+
+    def _parent_and_name(self, path: str) -> tuple[int, str] | Unknown:
+        fd = self._looked_up(path, "looked up", parent=True)
+        return fd if isinstance(fd, Unknown) else (fd, os.path.basename(path.rstrip("/")))
 
     def readlink(self, path: str) -> str | Unknown:
         if self.live:
@@ -260,16 +260,9 @@ class Machine:
             os.close(fd)
 
     def listdir(self, path: str) -> list[str] | Unknown:
-        if not path.startswith("/") or "\0" in path:
-            return Unknown(f"{path!r} is not an absolute path")
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if self.live else self._opened(path)
-        except dirfd.Outside:
-            return Unknown(f"{path} leads outside the recorded machine {self.label}")
-        except FileNotFoundError:
-            return Unknown(f"{path} does not exist")
-        except OSError as exc:
-            return Unknown(f"{path} cannot be listed: {exc.strerror}")
+        fd = self._looked_up(path, "listed")
+        if isinstance(fd, Unknown):
+            return fd
         try:
             return sorted(os.listdir(fd))
         except OSError as exc:
