@@ -95,7 +95,13 @@ def fingerprint(path: str, *, follow: bool = True) -> str:
 
 def _pseudo_file_digest(path: str) -> str:
     """An empty file, or a /proc or /sys one (size 0, content made on read, in small reads only)."""
-    digest = hashlib.sha256()
+    data = _pseudo_file(path)
+    return data if isinstance(data, str) else hashlib.sha256(data).hexdigest()
+
+
+def _pseudo_file(path: str) -> bytes | str:
+    """The bytes of a /proc or /sys file (read in small pieces, at most MAX_BYTES), or why not ("unreadable: ...")."""
+    chunks: list[bytes] = []
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         try:
@@ -103,12 +109,12 @@ def _pseudo_file_digest(path: str) -> str:
                 chunk = os.read(fd, 4096)
                 if not chunk:
                     break
-                digest.update(chunk)
+                chunks.append(chunk)
         finally:
             os.close(fd)
     except OSError as exc:
         return f"unreadable: {exc.strerror}"
-    return digest.hexdigest()
+    return b"".join(chunks)
 
 
 def gpus(folder: str = GPUS) -> str:
@@ -125,7 +131,8 @@ def gpus(folder: str = GPUS) -> str:
         return f"unreadable: {len(names)} entries"
     rows = []
     for name in names:
-        text = _pseudo_file_text(os.path.join(folder, name, "information"))
+        data = _pseudo_file(os.path.join(folder, name, "information"))
+        text = data if isinstance(data, str) else data.decode("utf-8", "replace")
         fields = {}
         for line in text.splitlines():
             key, sep, value = line.partition(":")
@@ -135,19 +142,6 @@ def gpus(folder: str = GPUS) -> str:
             f"{name}=" + ";".join(f"{k}:{fields.get(k, '?')}" for k in GPU_FIELDS) if fields else f"{name}={text}"
         )
     return "g:" + hashlib.sha256("\n".join(rows).encode()).hexdigest()
-
-
-def _pseudo_file_text(path: str) -> str:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as exc:
-        return f"unreadable: {exc.strerror}"
-    try:
-        return os.read(fd, 1 << 16).decode("utf-8", "replace")
-    except OSError as exc:
-        return f"unreadable: {exc.strerror}"
-    finally:
-        os.close(fd)
 
 
 def observe(layout: Layout, watch: list[str]) -> tuple[dict[str, str], str | None]:
