@@ -275,3 +275,25 @@ def test_the_bench_compiles_bwstacks_bytecode_as_an_install_has_it(tmp_path, mon
     assert asked == ["bench"] and cached.is_file()
     missing = [p for p in package.rglob("*.py") if not Path(importlib.util.cache_from_source(str(p))).is_file()]
     assert missing == []
+
+
+def test_the_bench_compiles_its_dependencies_bytecode_as_an_install_has_it(tmp_path, monkeypatch):
+    """pytest and testinfra, imported by every timed verify, are compiled too: uv installs a checkout's .venv
+    without bytecode, and with PYTHONDONTWRITEBYTECODE set every run compiled them from source."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    import pluggy
+
+    from bwstack.bench import run
+
+    if sys.prefix == sys.base_prefix:
+        pytest.skip("the tests run outside a venv: the bench compiles only a venv's own folders")
+    module = Path(pluggy.__file__).with_name("_manager.py")
+    cached = Path(importlib.util.cache_from_source(str(module)))
+    cached.unlink(missing_ok=True)
+    monkeypatch.setattr(run, "Bench", lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("set up")))
+    with pytest.raises(RuntimeError, match="set up"):
+        run.run("stack.lock.yaml", "cu128", str(tmp_path), 1, True, ["P5"])
+    assert cached.is_file()

@@ -564,7 +564,8 @@ def compile_own_bytecode() -> None:
     import sysconfig
 
     folders = {str(Path(paths.__file__).parent)}
-    folders |= {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
+    if sys.prefix != sys.base_prefix:  # bwstack's own venv; a system interpreter's folders are its packager's
+        folders |= {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
     for folder in sorted(folders):
         compileall.compile_dir(folder, quiet=2, workers=0)
 
