@@ -123,6 +123,10 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Node:
     lock_copy = n.root / "stack.lock.yaml"
     lock_copy.write_text(lock_copy.read_text() + "# edited on the node\n")
     n.provision("edited", "fixture-new")
+    # Something the wheel did not install, in the tool venv root runs bwstack from: made again, not recorded.
+    n.stray = next((n.root / "tool" / "lib").glob("python3.*/site-packages")) / "zz_not_from_the_wheel.pth"
+    n.stray.write_text("import sys\n")
+    n.provision("tool-edited", "fixture-new")
     # verify's own settings are not inputs (verify runs on the fast path too): this run is converged, and fails
     n.provision("converged-failing", "fixture-new", "-e", json.dumps({"bwstack_verify_profile": "fixture-old"}))
     n.provision("other", "fixture-old", "--diff")
@@ -175,6 +179,13 @@ def test_a_node_whose_files_changed_since_the_last_run_runs_every_role_and_is_pu
     assert f"every role runs: {node.root / 'stack.lock.yaml'} changed since the last provision run" in run.out
     assert run.changed() > 0
     assert "# edited on the node" not in (node.root / "stack.lock.yaml").read_text()
+
+
+def test_a_tool_venv_changed_since_the_last_run_is_made_again_not_recorded_as_it_now_is(node: Node):
+    run = node.runs["tool-edited"].ok()
+    assert f"every role runs: {node.root / 'tool'} changed since the last provision run" in run.out
+    assert not node.stray.exists(), "the changed tool venv was recorded as it was, not made again"
+    assert (node.root / "tool" / "bin" / "bwstack").is_file()
 
 
 def test_a_converged_node_that_fails_verify_is_left_as_it_was_and_told_about_full(node: Node):

@@ -74,6 +74,21 @@ def test_a_change_to_a_watched_path_is_not_converged_and_names_it(node, change):
     assert verdict["converged"] is False and str(node.made) in verdict["why"]
 
 
+def test_every_watched_path_that_changed_is_listed_even_when_the_inputs_changed_too(node):
+    """The roles repair what the list names (a tool venv in it is made again): a new wheel must not hide it."""
+    _receipt(node, "--write")
+    (node.made / "wrapper").write_text("#!/bin/sh\necho changed\n")
+    (node.made / "new").write_text("x")
+    verdict = _verdict(node, OTHER_INPUTS)
+    assert verdict["converged"] is False and "inputs changed" in verdict["why"]
+    assert verdict["changed"] == sorted([str(node.made), str(node.made / "wrapper")])
+
+
+def test_a_converged_node_lists_nothing_as_changed(node):
+    _receipt(node, "--write")
+    assert _verdict(node)["changed"] == []
+
+
 def test_a_file_in_a_watched_directory_written_in_place_with_its_mtime_put_back_is_not_converged(node):
     """The tool's venv is watched as a folder: a module edited in place keeps its inode, size and mtime."""
     module = node.made / "module.py"
@@ -241,3 +256,80 @@ def test_a_node_without_the_nvidia_driver_has_no_gpus_to_fingerprint(tmp_path: P
 def test_the_receipt_records_the_gpus(node):
     _receipt(node, "--write")
     assert "gpus" in json.loads((node.root / "provisioned.json").read_text())["items"]
+
+
+def _venv_on(tmp_path: Path, home: str, version: str) -> Path:
+    env = tmp_path / "env"
+    env.mkdir()
+    (env / "pyvenv.cfg").write_text(f"home = {home}\nversion_info = {version}\ninclude-system-site-packages = false\n")
+    return env
+
+
+def _interpreter(tmp_path: Path) -> Path:
+    """A stand-in base interpreter's prefix (a pyenv-like layout): bin/ and lib/python3.12/."""
+    prefix = tmp_path / "pyenv" / "3.12.1"
+    (prefix / "bin").mkdir(parents=True)
+    (prefix / "lib" / "python3.12").mkdir(parents=True)
+    (prefix / "lib" / "python3.12" / "os.py").write_text("# the stdlib\n")
+    return prefix
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda stdlib: (stdlib / "os.py").write_text("# edited by hand\n"), id="stdlib-module-edited"),
+        pytest.param(lambda stdlib: (stdlib / "sitecustomize.py").write_text("import sys\n"), id="sitecustomize-added"),
+        pytest.param(lambda stdlib: (stdlib / "new.pth").write_text(""), id="file-added"),
+    ],
+)
+def test_the_envs_base_interpreter_is_fingerprinted_by_its_standard_library(tmp_path: Path, change):
+    """No package database records a pyenv interpreter rebuilt or edited in place, and the env runs on it."""
+    from bwstack.provision.receipt import interpreters
+
+    prefix = _interpreter(tmp_path)
+    env = _venv_on(tmp_path, str(prefix / "bin"), "3.12.1")
+    before = interpreters(env)
+    assert before["python:env"].startswith(f"{prefix / 'lib' / 'python3.12'}: d:")
+    assert interpreters(env) == before
+    change(prefix / "lib" / "python3.12")
+    after = interpreters(env)
+    assert (
+        after["python:env"] != before["python:env"]
+        or after["python:env:sitecustomize"] != before["python:env:sitecustomize"]
+    )
+
+
+def test_a_sitecustomize_link_is_fingerprinted_with_the_file_it_names(tmp_path: Path):
+    """Debian's sitecustomize.py is a link into /etc/python3.X: an edit there changes what the env imports."""
+    from bwstack.provision.receipt import interpreters
+
+    prefix = _interpreter(tmp_path)
+    etc = tmp_path / "etc-python"
+    etc.mkdir()
+    (etc / "sitecustomize.py").write_text("# Debian's\n")
+    (prefix / "lib" / "python3.12" / "sitecustomize.py").symlink_to(etc / "sitecustomize.py")
+    env = _venv_on(tmp_path, str(prefix / "bin"), "3.12.1")
+    before = interpreters(env)["python:env:sitecustomize"]
+    (etc / "sitecustomize.py").write_text("# edited\n")
+    assert interpreters(env)["python:env:sitecustomize"] != before
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    ["", "home = relative/bin\nversion_info = 3.12.1\n", "home = /usr/bin\nversion_info = three\n"],
+    ids=["empty", "relative-home", "no-version"],
+)
+def test_a_venv_whose_interpreter_cannot_be_told_is_fingerprinted_as_unknown(tmp_path: Path, cfg: str):
+    from bwstack.provision.receipt import interpreters
+
+    env = tmp_path / "env"
+    env.mkdir()
+    (env / "pyvenv.cfg").write_text(cfg)
+    assert interpreters(env)["python:env"] == "unknown"
+
+
+def test_the_receipt_records_the_interpreters_the_tool_and_the_env_run_on(node):
+    _receipt(node, "--write")
+    items = json.loads((node.root / "provisioned.json").read_text())["items"]
+    assert items["python:tool"].split(": ", 1)[1].startswith("d:")
+    assert items["python:env"].split(": ", 1)[1].startswith("d:")

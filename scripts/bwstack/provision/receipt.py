@@ -5,7 +5,8 @@ A full provision run that verified ends by writing `<root>/provisioned.json`: th
 and a fingerprint of each thing the run made: the active generation (its link, and its tree against the
 facts sealed with it), the env and CUDA links, and the files and directories the play names (the node's lock
 copy, the tool venv's wheel record, the PATH wrapper, the CUDA toolkit, the package database, the
-remembered waivers), with the GPUs the driver drives (which the skipped preflight would judge again).
+remembered waivers), with the GPUs the driver drives (which the skipped preflight would judge again) and the
+standard libraries of the interpreters the tool venv and the env run on.
 
 The next run asks first (`bwstack receipt --check`). Same inputs and every fingerprint unchanged: no role
 could change anything, so the play goes straight to verify, which still checks the node for real. Anything
@@ -21,13 +22,14 @@ import hashlib
 import json
 import os
 import stat
+import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
 from bwstack.errors import BwstackError
 from bwstack.fsutil import atomic_write_text
 from bwstack.probe import sealed
-from bwstack.probe.treecheck import sha256_file
+from bwstack.probe.treecheck import read_bounded, sha256_file
 from bwstack.store.generations import Store
 from bwstack.store.layout import Layout
 
@@ -47,9 +49,12 @@ class Verdict:
     converged: bool
     why: str  # what differs, or what matched
     receipt: str
+    # Every recorded or watched name whose fingerprint differs (the roles repair what they own from it: a tool
+    # venv listed here is made again, not recorded as it now is). Empty when the receipt could not be compared.
+    changed: tuple[str, ...] = ()
 
     def as_dict(self) -> dict:
-        return {"converged": self.converged, "why": self.why, "receipt": self.receipt}
+        return {"converged": self.converged, "why": self.why, "receipt": self.receipt, "changed": list(self.changed)}
 
 
 def _link(path: Path | None) -> str:
@@ -144,6 +149,38 @@ def gpus(folder: str = GPUS) -> str:
     return "g:" + hashlib.sha256("\n".join(rows).encode()).hexdigest()
 
 
+def _base_stdlib(env: Path) -> Path | None:
+    """The standard library of the interpreter a venv runs on: its pyvenv.cfg's `home` (the interpreter's bin
+    folder) and version, laid out as CPython installs them (pyenv, Debian, python.org builds alike)."""
+    try:
+        text = read_bounded(env / "pyvenv.cfg", 64 << 10, "a pyvenv.cfg").decode("utf-8", errors="replace")
+    except (OSError, ValueError):
+        return None
+    keys = dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+    keys = {k.strip(): v.strip() for k, v in keys.items()}
+    version = (keys.get("version_info") or keys.get("version") or "").split(".")
+    home = keys.get("home", "")
+    if not home.startswith("/") or len(version) < 2 or not all(part.isdigit() for part in version[:2]):
+        return None
+    return Path(home).parent / "lib" / f"python{version[0]}.{version[1]}"
+
+
+def interpreters(env: Path | None) -> dict[str, str]:
+    """The standard libraries this tool (its venv's base interpreter: this process's) and the active env run on,
+    each with the sitecustomize it imports at start-up (Debian's is a link into /etc). They lie outside what the
+    store seals, and no package database records an interpreter rebuilt in place (pyenv) or edited by hand."""
+    tool = Path(sysconfig.get_paths()["stdlib"])
+    env_stdlib = _base_stdlib(env) if env is not None else None
+    items = {}
+    for name, stdlib in (("python:tool", tool), ("python:env", env_stdlib)):
+        if stdlib is None:
+            items[name] = "unknown" if env is not None or name == "python:tool" else "none"
+            continue
+        items[name] = f"{stdlib}: {fingerprint(str(stdlib))}"
+        items[name + ":sitecustomize"] = fingerprint(str(stdlib / "sitecustomize.py"))
+    return items
+
+
 def observe(layout: Layout, watch: list[str]) -> tuple[dict[str, str], str | None]:
     """The node's fingerprints, and why the active generation cannot be trusted unchanged (None: it can)."""
     items = {
@@ -158,6 +195,7 @@ def observe(layout: Layout, watch: list[str]) -> tuple[dict[str, str], str | Non
         problem = "no active generation" if target is None else sealed.unchanged_generation(target / "env")
     if target is not None and problem is None:
         items["generation"] = ":".join(sealed.tree_stamp(target / "env"))
+    items.update(interpreters(target / "env" if target is not None else None))
     for path in sorted(set(watch)):
         items[path] = fingerprint(path)
     return items, problem
@@ -196,15 +234,16 @@ def check(layout: Layout, inputs: str, watch: list[str]) -> Verdict:
         doc = _read(path)
     except ValueError as exc:
         return Verdict(False, str(exc), str(path))
-    if doc["inputs"] != inputs:
-        return Verdict(False, "the inputs changed (lock, bwstack wheel or a role setting)", str(path))
     items, problem = observe(layout, watch)
-    if problem is not None:
-        return Verdict(False, problem, str(path))
     recorded = doc["items"]
-    for name in sorted(set(items) | set(recorded)):
-        if items.get(name) != recorded.get(name):
-            return Verdict(False, f"{name} changed since the last provision run", str(path))
+    # Listed whatever else differs too (new inputs, a drifted generation): what changed is repaired, not recorded.
+    changed = tuple(name for name in sorted(set(items) | set(recorded)) if items.get(name) != recorded.get(name))
+    if doc["inputs"] != inputs:
+        return Verdict(False, "the inputs changed (lock, bwstack wheel or a role setting)", str(path), changed)
+    if problem is not None:
+        return Verdict(False, problem, str(path), changed)
+    if changed:
+        return Verdict(False, f"{changed[0]} changed since the last provision run", str(path), changed)
     generation = items["current"].rsplit("/", 1)[-1]
     return Verdict(True, f"provisioned from these inputs; {generation} and every watched path unchanged", str(path))
 
