@@ -127,6 +127,10 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Node:
     n.stray = next((n.root / "tool" / "lib").glob("python3.*/site-packages")) / "zz_not_from_the_wheel.pth"
     n.stray.write_text("import sys\n")
     n.provision("tool-edited", "fixture-new")
+    # The same under --full, the remedy the play names: the check still runs for its list of what changed.
+    n.stray_full = n.stray.with_name("zz_not_from_the_wheel_either.pth")
+    n.stray_full.write_text("import sys\n")
+    n.provision("tool-edited-full", "fixture-new", "--full")
     # verify's own settings are not inputs (verify runs on the fast path too): this run is converged, and fails
     n.provision("converged-failing", "fixture-new", "-e", json.dumps({"bwstack_verify_profile": "fixture-old"}))
     n.provision("other", "fixture-old", "--diff")
@@ -186,6 +190,12 @@ def test_a_tool_venv_changed_since_the_last_run_is_made_again_not_recorded_as_it
     assert f"every role runs: {node.root / 'tool'} changed since the last provision run" in run.out
     assert not node.stray.exists(), "the changed tool venv was recorded as it was, not made again"
     assert (node.root / "tool" / "bin" / "bwstack").is_file()
+
+
+def test_a_tool_venv_changed_since_the_last_run_is_made_again_by_a_full_run_too(node: Node):
+    run = node.runs["tool-edited-full"].ok()
+    assert "every role runs: bwstack_converged_check is false (--full)" in run.out
+    assert not node.stray_full.exists(), "--full recorded the changed tool venv as it was"
 
 
 def test_a_converged_node_that_fails_verify_is_left_as_it_was_and_told_about_full(node: Node):

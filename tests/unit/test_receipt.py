@@ -316,8 +316,14 @@ def test_a_sitecustomize_link_is_fingerprinted_with_the_file_it_names(tmp_path: 
 
 @pytest.mark.parametrize(
     "cfg",
-    ["", "home = relative/bin\nversion_info = 3.12.1\n", "home = /usr/bin\nversion_info = three\n"],
-    ids=["empty", "relative-home", "no-version"],
+    [
+        "",
+        "home = relative/bin\nversion_info = 3.12.1\n",
+        "home = /usr/bin\nversion_info = three\n",
+        "home = /usr/b\x00in\nversion_info = 3.12.1\n",
+        "home = /nowhere/bin\nversion_info = 3.12.1\n",
+    ],
+    ids=["empty", "relative-home", "no-version", "nul-in-home", "no-standard-library-there"],
 )
 def test_a_venv_whose_interpreter_cannot_be_told_is_fingerprinted_as_unknown(tmp_path: Path, cfg: str):
     from bwstack.provision.receipt import interpreters
@@ -333,3 +339,77 @@ def test_the_receipt_records_the_interpreters_the_tool_and_the_env_run_on(node):
     items = json.loads((node.root / "provisioned.json").read_text())["items"]
     assert items["python:tool"].split(": ", 1)[1].startswith("d:")
     assert items["python:env"].split(": ", 1)[1].startswith("d:")
+
+
+def test_pyvenv_cfg_is_read_as_cpython_reads_it_keys_in_any_case_the_first_one_kept(tmp_path: Path):
+    from bwstack.provision.receipt import interpreters
+
+    prefix = _interpreter(tmp_path)
+    env = tmp_path / "env"
+    env.mkdir()
+    (env / "pyvenv.cfg").write_text(f"HOME = {prefix / 'bin'}\nhome = /usr/bin\nversion_info = 3.12.1\n")
+    assert interpreters(env)["python:env"].startswith(f"{prefix / 'lib' / 'python3.12'}: ")
+
+
+def test_a_standard_library_in_lib64_is_found_by_its_landmark(tmp_path: Path):
+    from bwstack.provision.receipt import interpreters
+
+    prefix = tmp_path / "usr"
+    (prefix / "bin").mkdir(parents=True)
+    (prefix / "lib64" / "python3.12").mkdir(parents=True)
+    (prefix / "lib64" / "python3.12" / "os.py").write_text("# the stdlib\n")
+    env = _venv_on(tmp_path, str(prefix / "bin"), "3.12.1")
+    assert interpreters(env)["python:env"].startswith(f"{prefix / 'lib64' / 'python3.12'}: d:")
+
+
+def test_the_envs_interpreter_binary_and_libpython_are_fingerprinted(tmp_path: Path):
+    """A shared pyenv build keeps libpython and the binary outside lib/python3.X."""
+    from bwstack.provision.receipt import interpreters
+
+    prefix = _interpreter(tmp_path)
+    (prefix / "bin" / "python3.12").write_bytes(b"\x7fELF binary")
+    (prefix / "lib" / "libpython3.12.so.1.0").write_bytes(b"\x7fELF library")
+    env = _venv_on(tmp_path, str(prefix / "bin"), "3.12.1")
+    (env / "bin").mkdir()
+    (env / "bin" / "python").symlink_to(prefix / "bin" / "python3.12")
+    before = interpreters(env)
+    with open(prefix / "lib" / "libpython3.12.so.1.0", "ab") as handle:
+        handle.write(b"X")
+    middle = interpreters(env)
+    assert middle["python:env:libpython"] != before["python:env:libpython"]
+    with open(prefix / "bin" / "python3.12", "ab") as handle:
+        handle.write(b"X")
+    assert interpreters(env)["python:env:binary"] != middle["python:env:binary"]
+
+
+def test_a_sitecustomize_leading_into_proc_is_never_read(tmp_path: Path):
+    """Content made on read would make every run a full run, or consume the kernel's log (/proc/kmsg)."""
+    from bwstack.provision.receipt import interpreters
+
+    prefix = _interpreter(tmp_path)
+    (prefix / "lib" / "python3.12" / "sitecustomize.py").symlink_to("/proc/self/status")
+    env = _venv_on(tmp_path, str(prefix / "bin"), "3.12.1")
+    first = interpreters(env)["python:env:sitecustomize"]
+    assert first.startswith("refused:") and interpreters(env)["python:env:sitecustomize"] == first
+
+
+def test_a_generation_the_store_does_not_trust_is_not_read_for_its_interpreter(node):
+    """`current` leading out of the store: its pyvenv.cfg could send the check to walk any tree."""
+    from bwstack.provision.receipt import interpreters
+
+    _receipt(node, "--write")
+    elsewhere = node.root.parent / "elsewhere"
+    (elsewhere / "env").mkdir(parents=True)
+    (elsewhere / "env" / "pyvenv.cfg").write_text("home = /usr/bin\nversion_info = 3.11.2\n")
+    current = node.root / "current"
+    current.unlink()
+    current.symlink_to(elsewhere)
+    verdict = _verdict(node)
+    assert verdict["converged"] is False and verdict["compared"] is True
+    assert "python:env" in verdict["changed"]
+    assert interpreters(None)["python:env"] == "none"
+
+
+def test_without_a_receipt_nothing_is_said_to_be_compared(node):
+    verdict = _verdict(node)
+    assert verdict["compared"] is False and verdict["changed"] == []

@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import stat
+import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,9 +53,16 @@ class Verdict:
     # Every recorded or watched name whose fingerprint differs (the roles repair what they own from it: a tool
     # venv listed here is made again, not recorded as it now is). Empty when the receipt could not be compared.
     changed: tuple[str, ...] = ()
+    compared: bool = False  # a receipt was read and compared: `changed` is the whole list (else nothing is known)
 
     def as_dict(self) -> dict:
-        return {"converged": self.converged, "why": self.why, "receipt": self.receipt, "changed": list(self.changed)}
+        return {
+            "converged": self.converged,
+            "why": self.why,
+            "receipt": self.receipt,
+            "changed": list(self.changed),
+            "compared": self.compared,
+        }
 
 
 def _link(path: Path | None) -> str:
@@ -78,6 +86,8 @@ def fingerprint(path: str, *, follow: bool = True) -> str:
         return "absent"
     except OSError as exc:
         return f"unreadable: {exc.strerror}"
+    except ValueError:  # a NUL in a path read from a file
+        return "unreadable: not a path"
     owner = f"{stat.S_IMODE(st.st_mode):o} {st.st_uid} {st.st_gid}"
     if stat.S_ISLNK(st.st_mode):
         # read, never written through: what the link names is part of what the run saw (/etc/os-release)
@@ -149,35 +159,96 @@ def gpus(folder: str = GPUS) -> str:
     return "g:" + hashlib.sha256("\n".join(rows).encode()).hexdigest()
 
 
-def _base_stdlib(env: Path) -> Path | None:
-    """The standard library of the interpreter a venv runs on: its pyvenv.cfg's `home` (the interpreter's bin
-    folder) and version, laid out as CPython installs them (pyenv, Debian, python.org builds alike)."""
+KERNEL_TREES = ("/proc/", "/sys/", "/dev/")  # content made on read: never read as an interpreter's file
+
+
+@dataclass(frozen=True)
+class Interpreter:
+    """What a venv's base interpreter runs from: its standard library, its binary and its shared libpython."""
+
+    stdlib: Path
+    binary: str
+    libpython: str | None
+
+
+def _pyvenv_keys(env: Path) -> dict[str, str]:
+    """pyvenv.cfg read as CPython's site module reads it: keys case-insensitive, the first of each kept."""
     try:
         text = read_bounded(env / "pyvenv.cfg", 64 << 10, "a pyvenv.cfg").decode("utf-8", errors="replace")
     except (OSError, ValueError):
-        return None
-    keys = dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
-    keys = {k.strip(): v.strip() for k, v in keys.items()}
-    version = (keys.get("version_info") or keys.get("version") or "").split(".")
+        return {}
+    keys: dict[str, str] = {}
+    for line in text.splitlines():
+        if "=" in line:
+            key, value = line.split("=", 1)
+            keys.setdefault(key.strip().lower(), value.strip())
+    return keys
+
+
+def _regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except (OSError, ValueError):
+        return False
+
+
+def _stdlib_of(prefix: Path, version: str) -> Path | None:
+    """The standard library under an interpreter's prefix, found by its landmark (os.py), as CPython finds it."""
+    for lib in ("lib", "lib64"):
+        stdlib = prefix / lib / f"python{version}"
+        if _regular(stdlib / "os.py"):
+            return stdlib
+    return None
+
+
+def _base_of(env: Path) -> Interpreter | None:
+    """The interpreter a venv runs on: pyvenv.cfg's `home` (its bin folder) and version."""
+    keys = _pyvenv_keys(env)
     home = keys.get("home", "")
-    if not home.startswith("/") or len(version) < 2 or not all(part.isdigit() for part in version[:2]):
+    parts = (keys.get("version_info") or keys.get("version") or "").split(".")
+    if not home.startswith("/") or not home.isprintable() or len(parts) < 2 or not all(p.isdigit() for p in parts[:2]):
         return None
-    return Path(home).parent / "lib" / f"python{version[0]}.{version[1]}"
+    version = f"{parts[0]}.{parts[1]}"
+    prefix = Path(home).parent
+    stdlib = _stdlib_of(prefix, version)
+    if stdlib is None:
+        return None
+    shared = stdlib.parent / f"libpython{version}.so.1.0"
+    return Interpreter(stdlib, os.path.realpath(env / "bin" / "python"), str(shared) if _regular(shared) else None)
+
+
+def _this_interpreter() -> Interpreter:
+    libdir, soname = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")
+    shared = (
+        os.path.join(libdir, soname) if sysconfig.get_config_var("Py_ENABLE_SHARED") and libdir and soname else None
+    )
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return Interpreter(stdlib, os.path.realpath(sys.executable), shared if shared and _regular(Path(shared)) else None)
+
+
+def _file_print(path: str) -> str:
+    """A file an interpreter loads, through its links, unless they lead into /proc, /sys or /dev."""
+    real = os.path.realpath(path)
+    if real.startswith(KERNEL_TREES):
+        return f"refused: {path} leads to {real}"
+    return fingerprint(path)
 
 
 def interpreters(env: Path | None) -> dict[str, str]:
-    """The standard libraries this tool (its venv's base interpreter: this process's) and the active env run on,
-    each with the sitecustomize it imports at start-up (Debian's is a link into /etc). They lie outside what the
-    store seals, and no package database records an interpreter rebuilt in place (pyenv) or edited by hand."""
-    tool = Path(sysconfig.get_paths()["stdlib"])
-    env_stdlib = _base_stdlib(env) if env is not None else None
-    items = {}
-    for name, stdlib in (("python:tool", tool), ("python:env", env_stdlib)):
-        if stdlib is None:
-            items[name] = "unknown" if env is not None or name == "python:tool" else "none"
+    """The interpreters this tool (its venv's base interpreter: this process's) and the active env run on: each
+    standard library (a tree stamp), the sitecustomize it imports at start-up (Debian's is a link into /etc), the
+    binary and the shared libpython. They lie outside what the store seals, and no package database records an
+    interpreter rebuilt in place (pyenv) or edited by hand. `env` None: no trusted active generation to read."""
+    items: dict[str, str] = {}
+    env_base = _base_of(env) if env is not None else None
+    for name, base in (("python:tool", _this_interpreter()), ("python:env", env_base)):
+        if base is None:
+            items[name] = "none" if env is None else "unknown"
             continue
-        items[name] = f"{stdlib}: {fingerprint(str(stdlib))}"
-        items[name + ":sitecustomize"] = fingerprint(str(stdlib / "sitecustomize.py"))
+        items[name] = f"{base.stdlib}: {fingerprint(str(base.stdlib))}"
+        items[name + ":sitecustomize"] = _file_print(str(base.stdlib / "sitecustomize.py"))
+        items[name + ":binary"] = f"{base.binary}: {_file_print(base.binary)}"
+        items[name + ":libpython"] = f"{base.libpython}: {_file_print(base.libpython)}" if base.libpython else "none"
     return items
 
 
@@ -195,7 +266,7 @@ def observe(layout: Layout, watch: list[str]) -> tuple[dict[str, str], str | Non
         problem = "no active generation" if target is None else sealed.unchanged_generation(target / "env")
     if target is not None and problem is None:
         items["generation"] = ":".join(sealed.tree_stamp(target / "env"))
-    items.update(interpreters(target / "env" if target is not None else None))
+    items.update(interpreters(target / "env" if target is not None and problem is None else None))
     for path in sorted(set(watch)):
         items[path] = fingerprint(path)
     return items, problem
@@ -239,13 +310,14 @@ def check(layout: Layout, inputs: str, watch: list[str]) -> Verdict:
     # Listed whatever else differs too (new inputs, a drifted generation): what changed is repaired, not recorded.
     changed = tuple(name for name in sorted(set(items) | set(recorded)) if items.get(name) != recorded.get(name))
     if doc["inputs"] != inputs:
-        return Verdict(False, "the inputs changed (lock, bwstack wheel or a role setting)", str(path), changed)
+        return Verdict(False, "the inputs changed (lock, bwstack wheel or a role setting)", str(path), changed, True)
     if problem is not None:
-        return Verdict(False, problem, str(path), changed)
+        return Verdict(False, problem, str(path), changed, True)
     if changed:
-        return Verdict(False, f"{changed[0]} changed since the last provision run", str(path), changed)
+        return Verdict(False, f"{changed[0]} changed since the last provision run", str(path), changed, True)
     generation = items["current"].rsplit("/", 1)[-1]
-    return Verdict(True, f"provisioned from these inputs; {generation} and every watched path unchanged", str(path))
+    why = f"provisioned from these inputs; {generation} and every watched path unchanged"
+    return Verdict(True, why, str(path), compared=True)
 
 
 def write(layout: Layout, inputs: str, watch: list[str]) -> bool:
