@@ -44,15 +44,22 @@ def _python_number(folder: str) -> tuple[int, int, str]:
     return (int(match[1]), int(match[2]), folder) if match else (0, 0, folder)
 
 
+def pyvenv_cfg(env: Path) -> dict[str, str]:
+    """A venv's pyvenv.cfg as CPython's site module reads it: keys case-insensitive, the first of each kept ({}
+    without one)."""
+    keys: dict[str, str] = {}
+    for line in (treecheck.read_text(Path(env) / "pyvenv.cfg") or "").splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            keys.setdefault(key.strip().lower(), value.strip())
+    return keys
+
+
 def _configured_version(env: Path) -> str | None:
     """The Python version pyvenv.cfg names (`version = 3.12.3` from venv, `version_info = 3.12.3` from uv)."""
-    cfg = treecheck.read_text(Path(env) / "pyvenv.cfg")
-    if cfg is not None:
-        for line in cfg.splitlines():
-            key, _, value = line.partition("=")
-            if key.strip() in ("version_info", "version"):
-                return ".".join(value.strip().split(".")[:3])
-    return None
+    keys = pyvenv_cfg(env)
+    named = keys.get("version_info") or keys.get("version")
+    return ".".join(named.split(".")[:3]) if named else None
 
 
 def env_python_version(env: Path) -> str | None:

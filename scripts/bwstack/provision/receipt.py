@@ -29,8 +29,8 @@ from pathlib import Path
 
 from bwstack.errors import BwstackError
 from bwstack.fsutil import atomic_write_text
-from bwstack.probe import sealed
-from bwstack.probe.treecheck import read_bounded, sha256_file
+from bwstack.probe import envinspect, sealed
+from bwstack.probe.treecheck import sha256_file
 from bwstack.store.generations import Store
 from bwstack.store.layout import Layout
 
@@ -171,20 +171,6 @@ class Interpreter:
     libpython: str | None
 
 
-def _pyvenv_keys(env: Path) -> dict[str, str]:
-    """pyvenv.cfg read as CPython's site module reads it: keys case-insensitive, the first of each kept."""
-    try:
-        text = read_bounded(env / "pyvenv.cfg", 64 << 10, "a pyvenv.cfg").decode("utf-8", errors="replace")
-    except (OSError, ValueError):
-        return {}
-    keys: dict[str, str] = {}
-    for line in text.splitlines():
-        if "=" in line:
-            key, value = line.split("=", 1)
-            keys.setdefault(key.strip().lower(), value.strip())
-    return keys
-
-
 def _regular(path: Path) -> bool:
     try:
         return stat.S_ISREG(os.lstat(path).st_mode)
@@ -203,7 +189,7 @@ def _stdlib_of(prefix: Path, version: str) -> Path | None:
 
 def _base_of(env: Path) -> Interpreter | None:
     """The interpreter a venv runs on: pyvenv.cfg's `home` (its bin folder) and version."""
-    keys = _pyvenv_keys(env)
+    keys = envinspect.pyvenv_cfg(env)
     home = keys.get("home", "")
     parts = (keys.get("version_info") or keys.get("version") or "").split(".")
     if not home.startswith("/") or not home.isprintable() or len(parts) < 2 or not all(p.isdigit() for p in parts[:2]):
