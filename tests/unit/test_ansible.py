@@ -611,6 +611,103 @@ def test_a_host_set_up_with_another_profile_than_its_batch_fails_instead_of_taki
     assert "team-a                     : ok=" in result.out and "failed=0" in result.out.split("team-a", 2)[-1]
 
 
+def _counting_controller(tmp_path: Path) -> tuple[list[str], Path]:
+    """A stand-in controller that answers {} and appends each command line it was run with to a file."""
+    calls = tmp_path / "controller-calls"
+    return ["/bin/sh", "-c", f'echo "$*" >> {calls}; echo "{{}}"', "sh"], calls
+
+
+def _reads_play(tmp_path: Path, requests: list[list[str]]) -> Path:
+    """A play that imports the real controller_facts.yml once per request, as provision.yml's roles do in turn."""
+    path = ANSIBLE / "roles" / "bwstack" / "tasks" / "controller_facts.yml"
+    tasks = [
+        {"ansible.builtin.import_tasks": str(path), "vars": {"bwstack_lock": "", "bwstack_controller_facts_args": args}}
+        for args in requests
+    ]
+    play = tmp_path / "play.yml"
+    play.write_text(yaml.safe_dump([{"hosts": "bwstack_nodes", "gather_facts": False, "tasks": tasks}]))
+    return play
+
+
+_COVERING_READS = [
+    ("a role asking for part of what was read", [["--profile", "cu128", "--probe-dir", "/c"], ["--profile", "cu128"]],
+     ["--profile cu128 --probe-dir /c"]),
+    ("roles asking for the same", [["--wheel-dir", "/w"], ["--wheel-dir", "/w"]], ["--wheel-dir /w"]),
+    ("a role asking for an option not read", [["--profile", "cu128"], ["--profile", "cu128", "--probe-dir", "/c"]],
+     ["--profile cu128", "--profile cu128 --probe-dir /c"]),
+    ("a role asking for another profile", [["--profile", "cu128"], ["--profile", "cu130"]],
+     ["--profile cu128", "--profile cu130"]),
+    ("a role asking for the lock's default profile",
+     [["--profile", "cu128", "--probe-dir", "/c"], ["--probe-dir", "/c"]],
+     ["--profile cu128 --probe-dir /c", "--probe-dir /c"]),
+    ("a role asking for another wheel", [["--wheel", "/a.whl"], ["--wheel", "/b.whl"]],
+     ["--wheel /a.whl", "--wheel /b.whl"]),
+]  # fmt: skip
+
+
+@needs_ansible
+@pytest.mark.parametrize(("case", "requests", "expected"), _COVERING_READS, ids=[c[0] for c in _COVERING_READS])
+def test_the_lock_is_read_again_only_when_the_plays_answer_does_not_cover_the_request(
+    tmp_path, case, requests, expected
+):
+    """Every role imports the lock read; an answer of this play that covers a role's request (the same profile,
+    every other option among those read) is used again instead of starting bwstack on the controller again."""
+    controller, calls = _counting_controller(tmp_path)
+    hosts = {"node": {"bwstack_controller_bwstack": controller}}
+    play = _reads_play(tmp_path, requests)
+    result = run([tool("ansible-playbook"), "-i", str(local_inventory(tmp_path / "hosts.yml", hosts)), str(play)])
+    assert result.rc == 0, result.out[-2000:]
+    assert [line.removeprefix("controller-facts ") for line in calls.read_text().splitlines()] == expected
+
+
+@needs_ansible
+def test_a_host_whose_settings_the_first_read_does_not_cover_fails_on_the_reused_read(tmp_path):
+    """With the answer used again, a host of the batch set up with another profile still fails the batch check
+    in the role that asks for it, and is not provisioned from the first host's."""
+    controller, calls = _counting_controller(tmp_path)
+    hosts = {
+        "team-a": {"bwstack_controller_bwstack": controller, "bwstack_profile": "cu128"},
+        "team-b": {"bwstack_controller_bwstack": controller, "bwstack_profile": "cu130"},
+    }
+    play = _reads_play(tmp_path, [["--wheel-dir", "/w"], ["--profile", "{{ bwstack_profile }}"]])
+    result = run([tool("ansible-playbook"), "-i", str(local_inventory(tmp_path / "hosts.yml", hosts)), str(play)])
+    assert result.rc != 0
+    assert "team-b is set up with another lock, profile, wheel or controller cache than team-a" in result.out
+    assert calls.read_text().splitlines() == ["controller-facts --wheel-dir /w", "controller-facts --profile cu128"]
+
+
+@needs_ansible
+def test_a_tool_venv_made_again_is_put_back_as_it_was_when_the_new_one_cannot_be_installed(tmp_path):
+    """The venv root runs bwstack from is set aside, not removed, while a new one is made: a pip that fails leaves
+    the node with the bwstack it had (here the wheel is not a wheel, so pip fails)."""
+    root = tmp_path / "root"
+    old = root / "tool"
+    (old / "bin").mkdir(parents=True)
+    (old / "bin" / "python").write_text("the venv the node had\n")
+    wheel = tmp_path / "bwstack-0.1.0-py3-none-any.whl"
+    wheel.write_bytes(b"not a zip")
+    lock = tmp_path / "stack.lock.yaml"
+    lock.write_text("a lock\n")
+    answer = {"lock": str(lock), "wheel": {"path": str(wheel), "name": wheel.name, "sha256": "0" * 64}}
+    (tmp_path / "wheelhouse").mkdir()
+    variables = {
+        "bwstack_controller_bwstack": ["/bin/sh", "-c", f"echo '{json.dumps(answer)}'", "sh"], "bwstack_lock": "",
+        "bwstack_root": str(root), "bwstack_tool_python": sys.executable, "bwstack_tool_os_packages": [],
+        "bwstack_tool_offline": True, "bwstack_tool_wheelhouse": str(tmp_path / "wheelhouse"),
+        "bwstack_tool_index_url": "", "bwstack_ca_bundle": "", "bwstack_tool_wrapper": "",
+        "bwstack_receipt_tool_changed": True,
+    }  # fmt: skip
+    tasks = [{"ansible.builtin.import_role": {"name": "bwstack_tool", "tasks_from": "install.yml"}}]
+    play = tmp_path / "play.yml"
+    play.write_text(yaml.safe_dump([{"hosts": "bwstack_nodes", "gather_facts": False, "vars": variables,
+                                     "tasks": tasks}]))  # fmt: skip
+    result = run([tool("ansible-playbook"), "-i", str(local_inventory(tmp_path / "hosts.yml")), str(play)])
+    assert result.rc != 0
+    assert f"pip could not install {wheel.name}" in result.out
+    assert (old / "bin" / "python").read_text() == "the venv the node had\n"
+    assert not (root / "tool.previous").exists()
+
+
 @needs_ansible
 def test_pips_error_shows_neither_the_index_url_nor_credentials_in_urls(tmp_path):
     """A token may sit in the index URL's path or query, where the user:pass@ masking does not reach."""

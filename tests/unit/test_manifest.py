@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -103,3 +104,44 @@ GOOD_ROW = ["env/x", "f", 1, 0o644, "ab" * 32, 7, 1_700_000_000_000_000_000, 0, 
 )  # fmt: skip
 def test_a_manifest_row_is_read_only_in_the_shape_the_store_writes(row, valid):
     assert valid_row(row) is valid
+
+
+def _env_with_modules(base: Path) -> Path:
+    """A venv of this interpreter holding a package with a test suite at two depths."""
+    import venv
+
+    from bwstack.probe import envinspect
+
+    env = base / "env"
+    venv.EnvBuilder(with_pip=False, symlinks=True).create(env)
+    site = envinspect.site_packages(env)
+    for rel in ("pkg/__init__.py", "pkg/mod.py", "pkg/tests/test_mod.py", "pkg/sub/tests/helper.py",
+                "pkg/testsuite/mod.py"):  # fmt: skip
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        (site / rel).write_text("x = 1\n")
+    return env
+
+
+def _with_bytecode(env: Path) -> list[str]:
+    from bwstack.probe import envinspect
+
+    site = envinspect.site_packages(env)
+    return sorted(str(p.parent.parent.relative_to(site) / p.name.split(".")[0]) for p in site.rglob("pkg/**/*.pyc"))
+
+
+def test_an_envs_modules_get_bytecode_before_sealing_and_package_test_suites_do_not(tmp_path):
+    """A serving process never imports a package's `tests`: compiling them was a seventh of the bytecode phase."""
+    from bwstack.provision import envbuild
+
+    env = _env_with_modules(tmp_path)
+    envbuild.compile_bytecode(env)
+    assert _with_bytecode(env) == ["pkg/__init__", "pkg/mod", "pkg/testsuite/mod"]
+
+
+def test_an_env_kept_under_a_folder_named_tests_still_gets_its_bytecode(tmp_path):
+    """Only folders below site-packages count: a store's own path may hold the name."""
+    from bwstack.provision import envbuild
+
+    env = _env_with_modules(tmp_path / "tests" / "store")
+    envbuild.compile_bytecode(env)
+    assert _with_bytecode(env) == ["pkg/__init__", "pkg/mod", "pkg/testsuite/mod"]

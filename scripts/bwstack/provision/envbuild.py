@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import stat
 import tempfile
 from collections.abc import Mapping
@@ -80,12 +81,25 @@ def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return interp.clean_env(extra, own=True)
 
 
+# Folders of packages' own test suites (pandas/tests, sympy/**/tests, ...): a serving process never imports them,
+# and they hold about a seventh of the env's Python source, so a seventh of the bytecode phase.
+TEST_FOLDER = "tests"
+
+
+def bytecode_skipped(site: Path) -> str:
+    """compileall's -x: a file under a folder named TEST_FOLDER anywhere below site-packages (only below it: the
+    store's own path may hold such a name)."""
+    return "^" + re.escape(str(site)) + "/(?:[^/]+/)*" + TEST_FOLDER + "/"
+
+
 def compile_bytecode(env_dir: Path) -> None:
-    """Bytecode for every module of the env, with the env's own interpreter, before the generation is
-    sealed: it becomes part of the manifest, and Python never writes into the generation later (its hook
-    stops that). Sources that do not compile (templates, other Pythons' files) simply get none."""
+    """Bytecode for every module of the env but the packages' test suites, with the env's own interpreter, before
+    the generation is sealed: it becomes part of the manifest, and Python never writes into the generation later
+    (its hook stops that), so a test module imported later is compiled in memory each time. Sources that do not
+    compile (templates, other Pythons' files) simply get none."""
     site = envinspect.site_packages(env_dir)
-    cmd = [str(env_dir / "bin" / "python"), "-m", "compileall", "-q", "-q", "-j", "0", str(site)]
+    cmd = [str(env_dir / "bin" / "python"), "-m", "compileall", "-q", "-q", "-j", "0",
+           "-x", bytecode_skipped(site), str(site)]  # fmt: skip
     code, _out, err = interp.run(cmd, timeout=3600, env=clean_env())  # from "/", as every child of the probe
     if code not in (0, 1):  # 1: some file did not compile, which is not ours to fix
         raise BwstackError(f"compiling the bytecode of {env_dir} failed: {err.strip()[-400:]}")
