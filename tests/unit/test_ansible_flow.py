@@ -192,6 +192,35 @@ def test_a_tool_venv_changed_since_the_last_run_is_made_again_not_recorded_as_it
     assert (node.root / "tool" / "bin" / "bwstack").is_file()
 
 
+def _outcomes(out: str, task: str) -> list[str]:
+    """What Ansible's output says of each run of a task: ok, changed, skipping, ..."""
+    found = []
+    for part in out.split(f"TASK [{task}]")[1:]:
+        line = next(x for x in part.splitlines()[1:] if x.strip())
+        found.append(line.split(":", 1)[0])
+    return found
+
+
+def _outcome(out: str, task: str) -> str:
+    return _outcomes(out, task)[0]
+
+
+def test_a_run_of_every_role_reads_the_lock_on_the_controller_once(node: Node):
+    """Preflight, tool and CUDA each import the lock read; the play's first answer covers what each asks."""
+    reads = _outcomes(node.runs["full"].ok().out, "bwstack : Read the lock (controller)")
+    assert reads == ["ok", "skipping", "skipping", "skipping"], reads
+
+
+PLAN_TASK = "bwstack_preflight : Ask bwstack's plan whether this run builds an env"
+
+
+def test_the_preflight_does_not_run_a_tool_venv_the_converged_check_found_changed(node: Node):
+    """It is made again by the tool role; until then root does not run it (the plan is assumed to build)."""
+    assert _outcome(node.runs["tool-edited"].ok().out, PLAN_TASK) == "skipping"
+    assert _outcome(node.runs["tool-edited-full"].ok().out, PLAN_TASK) == "skipping"
+    assert _outcome(node.runs["edited"].ok().out, PLAN_TASK) == "ok"  # a tool venv as it was: asked
+
+
 def test_a_tool_venv_changed_since_the_last_run_is_made_again_by_a_full_run_too(node: Node):
     run = node.runs["tool-edited-full"].ok()
     assert "every role runs: bwstack_converged_check is false (--full)" in run.out
