@@ -21,6 +21,7 @@ from helpers import (
     PLAYBOOKS,
     REPO,
     ROLES,
+    Run,
     bwstack,
     fixture_vars,
     local_inventory,
@@ -661,6 +662,26 @@ def test_the_lock_is_read_again_only_when_the_plays_answer_does_not_cover_the_re
 
 
 @needs_ansible
+def test_hosts_a_later_play_adds_to_the_batch_get_the_lock_read_for_them(tmp_path):
+    """run_once decides on the batch's first host: one that read the lock in an earlier play must not make the
+    others, with the same settings, go without an answer."""
+    controller, calls = _counting_controller(tmp_path)
+    hosts = {name: {"bwstack_controller_bwstack": controller} for name in ("h1", "h2", "h3")}
+    path = ANSIBLE / "roles" / "bwstack" / "tasks" / "controller_facts.yml"
+    task = {"ansible.builtin.import_tasks": str(path),
+            "vars": {"bwstack_lock": "", "bwstack_controller_facts_args": ["--profile", "cu128"]}}  # fmt: skip
+    play = tmp_path / "play.yml"
+    play.write_text(yaml.safe_dump([
+        {"hosts": "h1", "gather_facts": False, "tasks": [task]},
+        {"hosts": "bwstack_nodes", "gather_facts": False, "tasks": [task]},
+    ]))  # fmt: skip
+    result = run([tool("ansible-playbook"), "-i", str(local_inventory(tmp_path / "hosts.yml", hosts)), str(play)])
+    assert result.rc == 0, result.out[-2000:]
+    assert "failed=0" in result.out.split("h3", 2)[-1]
+    assert calls.read_text().splitlines() == ["controller-facts --profile cu128"] * 2
+
+
+@needs_ansible
 def test_a_host_whose_settings_the_first_read_does_not_cover_fails_on_the_reused_read(tmp_path):
     """With the answer used again, a host of the batch set up with another profile still fails the batch check
     in the role that asks for it, and is not provisioned from the first host's."""
@@ -676,36 +697,97 @@ def test_a_host_whose_settings_the_first_read_does_not_cover_fails_on_the_reused
     assert calls.read_text().splitlines() == ["controller-facts --wheel-dir /w", "controller-facts --profile cu128"]
 
 
-@needs_ansible
-def test_a_tool_venv_made_again_is_put_back_as_it_was_when_the_new_one_cannot_be_installed(tmp_path):
-    """The venv root runs bwstack from is set aside, not removed, while a new one is made: a pip that fails leaves
-    the node with the bwstack it had (here the wheel is not a wheel, so pip fails)."""
-    root = tmp_path / "root"
-    old = root / "tool"
-    (old / "bin").mkdir(parents=True)
-    (old / "bin" / "python").write_text("the venv the node had\n")
+# A stand-in interpreter for the tool role: `-m venv DIR` makes a venv whose python (pip included) and bwstack
+# succeed, so the role's own steps run without installing anything.
+_FAKE_PYTHON = """#!/bin/sh
+if [ "$1" = -m ] && [ "$2" = venv ]; then
+  mkdir -p "$3/bin"
+  printf '#!/bin/sh\\nexit 0\\n' > "$3/bin/python"; cp "$3/bin/python" "$3/bin/bwstack"
+  chmod +x "$3/bin/python" "$3/bin/bwstack"; echo made > "$3/made-by-this-run"
+  exit 0
+fi
+exec %s "$@"
+"""
+
+
+def _tool_install(tmp_path: Path, root: Path, *, python: str, **more) -> Run:
+    """The tool role's install.yml on this machine against `root`, the controller answering with a wheel that is
+    not a wheel (pip fails on it)."""
     wheel = tmp_path / "bwstack-0.1.0-py3-none-any.whl"
     wheel.write_bytes(b"not a zip")
     lock = tmp_path / "stack.lock.yaml"
     lock.write_text("a lock\n")
     answer = {"lock": str(lock), "wheel": {"path": str(wheel), "name": wheel.name, "sha256": "0" * 64}}
-    (tmp_path / "wheelhouse").mkdir()
+    (tmp_path / "wheelhouse").mkdir(exist_ok=True)
     variables = {
         "bwstack_controller_bwstack": ["/bin/sh", "-c", f"echo '{json.dumps(answer)}'", "sh"], "bwstack_lock": "",
-        "bwstack_root": str(root), "bwstack_tool_python": sys.executable, "bwstack_tool_os_packages": [],
+        "bwstack_root": str(root), "bwstack_tool_python": python, "bwstack_tool_os_packages": [],
         "bwstack_tool_offline": True, "bwstack_tool_wheelhouse": str(tmp_path / "wheelhouse"),
-        "bwstack_tool_index_url": "", "bwstack_ca_bundle": "", "bwstack_tool_wrapper": "",
-        "bwstack_receipt_tool_changed": True,
+        "bwstack_tool_index_url": "", "bwstack_ca_bundle": "", "bwstack_tool_wrapper": "", **more,
     }  # fmt: skip
     tasks = [{"ansible.builtin.import_role": {"name": "bwstack_tool", "tasks_from": "install.yml"}}]
     play = tmp_path / "play.yml"
     play.write_text(yaml.safe_dump([{"hosts": "bwstack_nodes", "gather_facts": False, "vars": variables,
                                      "tasks": tasks}]))  # fmt: skip
-    result = run([tool("ansible-playbook"), "-i", str(local_inventory(tmp_path / "hosts.yml")), str(play)])
+    return run([tool("ansible-playbook"), "-i", str(local_inventory(tmp_path / "hosts.yml")), str(play)])
+
+
+def _venv(path: Path, text: str) -> Path:
+    (path / "bin").mkdir(parents=True)
+    (path / "bin" / "python").write_text(text)
+    return path
+
+
+@needs_ansible
+def test_a_tool_venv_made_again_is_put_back_as_it_was_when_the_new_one_cannot_be_installed(tmp_path):
+    """The venv root runs bwstack from is set aside, not removed, while a new one is made: a pip that fails leaves
+    the node with the bwstack it had (here the wheel is not a wheel, so pip fails)."""
+    root = tmp_path / "root"
+    old = _venv(root / "tool", "the venv the node had\n")
+    result = _tool_install(tmp_path, root, python=sys.executable, bwstack_receipt_tool_changed=True)
     assert result.rc != 0
-    assert f"pip could not install {wheel.name}" in result.out
+    assert "pip could not install bwstack-0.1.0-py3-none-any.whl" in result.out
     assert (old / "bin" / "python").read_text() == "the venv the node had\n"
     assert not (root / "tool.previous").exists()
+
+
+@needs_ansible
+def test_a_run_after_one_stopped_while_making_the_tool_venv_starts_from_the_venv_it_set_aside(tmp_path):
+    """A run killed between setting the venv aside and installing the new one leaves a half-made `tool` beside
+    `tool.previous`; the next run makes the venv again whatever the converged check said, and puts the one set
+    aside back when it cannot."""
+    root = tmp_path / "root"
+    _venv(root / "tool", "half made\n")
+    _venv(root / "tool.previous", "the last whole venv\n")
+    result = _tool_install(tmp_path, root, python=sys.executable)
+    assert result.rc != 0
+    assert (root / "tool" / "bin" / "python").read_text() == "the last whole venv\n"
+    assert not (root / "tool.previous").exists()
+
+
+@needs_ansible
+def test_a_run_that_makes_the_tool_venv_removes_the_one_an_interrupted_run_set_aside(tmp_path):
+    root = tmp_path / "root"
+    _venv(root / "tool", "half made\n")
+    _venv(root / "tool.previous", "the last whole venv\n")
+    python = tmp_path / "python"
+    python.write_text(_FAKE_PYTHON % sys.executable)
+    python.chmod(0o755)
+    result = _tool_install(tmp_path, root, python=str(python))
+    assert result.rc == 0, result.out[-2000:]
+    assert (root / "tool" / "made-by-this-run").exists()
+    assert not (root / "tool.previous").exists()
+
+
+def test_a_store_root_holding_the_tool_venv_set_aside_is_still_a_store(tmp_path):
+    """An interrupted tool role leaves `tool.previous`: builds and rollbacks of that store must not refuse it."""
+    from bwstack.store.layout import Layout
+    from bwstack.store.session import check_store_root
+
+    root = tmp_path / "root"
+    for name in ("tool", "tool.previous", "generations"):
+        (root / name).mkdir(parents=True)
+    check_store_root(Layout(root, tmp_path / "ml-env", None, None))
 
 
 @needs_ansible

@@ -43,7 +43,8 @@ def open_store(layout: Layout, log: Log = print) -> Iterator[Store]:
 # What a store's root holds (bwstack puts each there: the node's tool, lock and receipt, the default cache, ...).
 STORE_NAMES = frozenset(
     {"generations", LOCK_NAME, "current", "cache", "history.jsonl", "archives.jsonl", "tool", "dist",
-     "stack.lock.yaml", "provisioned.json", "waivers.json"}
+     "stack.lock.yaml", "provisioned.json", "waivers.json",
+     "tool.previous"}  # the tool role's venv set aside while it makes a new one (an interrupted run leaves it)
 )  # fmt: skip
 # What a write into the root leaves for a moment: bwstack's atomic writes (`.<name>.<random>.tmp`) and Ansible's
 # copy of the lock or wheel (`.ansible_tmp<8 random characters><name>`, its atomic_move).
