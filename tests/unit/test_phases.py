@@ -7,6 +7,7 @@ import json
 import os
 import stat
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -159,20 +160,57 @@ def test_a_failure_names_the_host_the_task_and_its_message():
 
 def test_progress_is_written_for_the_controller_and_summed_for_the_result(tmp_path):
     path = tmp_path / "progress.json"
-    progress = DownloadProgress(files=2, path=path, interval=0)
+    progress = DownloadProgress(files=1, path=path, interval=0)
     progress.started_download(3_000_000)
     progress.add(1_000_000)
     state = phases.read_progress(path)
     assert state["bytes"] == 1_000_000 and state["total_bytes"] == 3_000_000 and not state["done"]
     line = phases.progress_line(state)
-    assert line.startswith("  fetch: 1.0 MB of 3.0 MB, 0/2 wheels, ") and line.endswith("/s")
+    assert line.startswith("  fetch: 1.0 MB of 3.0 MB, 0/1 wheels, ") and line.endswith("/s")
     progress.add(2_000_000)
-    progress.file_done()
     progress.file_done()
     progress.close()
     assert phases.read_progress(path)["done"] is True
     summary = progress.summary()
-    assert summary["bytes_downloaded"] == 3_000_000 and summary["files_downloaded"] == 1 and summary["files"] == 2
+    assert summary["bytes_downloaded"] == 3_000_000 and summary["files_downloaded"] == 1 and summary["files"] == 1
+
+
+def _download_in_its_own_thread(progress: DownloadProgress, length: int) -> None:
+    # The fetch downloads each wheel in one worker thread, from its start to its file_done.
+    worker = threading.Thread(target=progress.started_download, args=(length,))
+    worker.start()
+    worker.join()
+
+
+def test_the_download_total_is_shown_only_once_every_wheel_has_started_or_needed_none(tmp_path):
+    path = tmp_path / "progress.json"
+    progress = DownloadProgress(files=3, path=path, interval=0)
+    progress.file_done()  # a wheel the store had: nothing to download
+    progress.started_download(3_000_000)
+    progress.add(1_000_000)
+    assert phases.progress_line(phases.read_progress(path)).startswith("  fetch: 1.0 MB, 1/3 wheels, ")
+    _download_in_its_own_thread(progress, 2_000_000)
+    assert phases.progress_line(phases.read_progress(path)).startswith("  fetch: 1.0 MB of 5.0 MB, 1/3 wheels, ")
+    progress.add(2_000_000)
+    progress.file_done()
+    assert phases.progress_line(phases.read_progress(path)).startswith("  fetch: 3.0 MB of 5.0 MB, 2/3 wheels, ")
+
+
+def test_a_wheel_downloaded_again_after_a_failed_start_is_counted_once_towards_the_total(tmp_path):
+    path = tmp_path / "progress.json"
+    progress = DownloadProgress(files=2, path=path, interval=0)
+    progress.started_download(3_000_000)
+    progress.started_download(3_000_000)  # the same wheel from its next source
+    assert phases.progress_line(phases.read_progress(path)).startswith("  fetch: 0 B, 0/2 wheels, ")
+
+
+def test_no_total_is_shown_when_a_download_did_not_say_its_size(tmp_path):
+    path = tmp_path / "progress.json"
+    progress = DownloadProgress(files=2, path=path, interval=0)
+    progress.started_download(0)  # no Content-Length
+    _download_in_its_own_thread(progress, 2_000_000)
+    progress.add(1_000_000)
+    assert phases.progress_line(phases.read_progress(path)).startswith("  fetch: 1.0 MB, 0/2 wheels, ")
 
 
 FAKE_PLAYBOOK = """#!{python}
@@ -323,14 +361,14 @@ def test_download_progress_is_shown_at_intervals_when_not_a_terminal(tmp_path):
     import time
 
     path = tmp_path / "progress.json"
-    progress = DownloadProgress(files=3, path=path, interval=0)
+    progress = DownloadProgress(files=1, path=path, interval=0)
     progress.started_download(10_000_000)
     progress.add(5_000_000)
     stream = io.StringIO()
     with phases.DownloadWatch(path, stream=stream, interval=0.05, poll=0.02):
         time.sleep(0.3)
     lines = stream.getvalue().splitlines()
-    assert lines and all(line.startswith("  fetch: 5.0 MB of 10.0 MB, 0/3 wheels, ") for line in lines)
+    assert lines and all(line.startswith("  fetch: 5.0 MB of 10.0 MB, 0/1 wheels, ") for line in lines)
     assert "\r" not in stream.getvalue(), "no carriage returns when not on a terminal"
     progress.close()  # done: nothing more is shown
     stream = io.StringIO()

@@ -370,5 +370,6 @@ def progress_line(state: dict) -> str:
     done, total = state.get("bytes", 0), state.get("total_bytes") or 0
     seconds = max(1e-6, float(state.get("seconds") or 0))
     files = f"{state.get('files_done', 0)}/{state.get('files', 0)} wheels"
-    of = f" of {human_bytes(total)}" if total else ""
+    # Before every wheel has started downloading, the total is a part of it: not shown as the total.
+    of = f" of {human_bytes(total)}" if total and state.get("total_known") else ""
     return f"  fetch: {human_bytes(done)}{of}, {files}, {human_bytes(done / seconds)}/s"

@@ -3,6 +3,9 @@
 Written, at most twice a second, as a small JSON file when $BWSTACK_PROGRESS_FILE names one (`bwstack
 provision` on a local target polls it and shows the progress while Ansible waits for the build), and kept as
 totals for the build's result (bytes downloaded and the time it took).
+
+The lock holds no wheel sizes: a download's size is known when it starts (Content-Length), so the total is only
+the total once every wheel has started downloading or needed none (`total_known`); before that it is a part.
 """
 
 from __future__ import annotations
@@ -25,15 +28,22 @@ class DownloadProgress:
         self.downloaded_files = 0
         self.bytes = 0
         self.total_bytes = 0
+        self.files_sized = 0  # wheels whose bytes are counted in total_bytes, or that needed no download
+        self.unsized_download = False  # a download without a Content-Length: the total is never known
         self.started = time.monotonic()
         self.interval = interval
         self._written = 0.0
         self._lock = threading.Lock()
+        self._this_file = threading.local()  # each wheel is fetched, start to file_done, in one thread
 
     def started_download(self, length: int) -> None:
+        first = not getattr(self._this_file, "sized", False)
+        self._this_file.sized = True
         with self._lock:
             self.total_bytes += length
             self.downloaded_files += 1
+            self.files_sized += first
+            self.unsized_download |= length <= 0
         self._write()
 
     def add(self, n: int) -> None:
@@ -42,8 +52,11 @@ class DownloadProgress:
         self._write()
 
     def file_done(self) -> None:
+        downloaded = getattr(self._this_file, "sized", False)
+        self._this_file.sized = False
         with self._lock:
             self.files_done += 1
+            self.files_sized += not downloaded
         self._write(force=self.files_done == self.files)
 
     def seconds(self) -> float:
@@ -55,6 +68,7 @@ class DownloadProgress:
             "total_bytes": self.total_bytes,
             "files": self.files,
             "files_done": self.files_done,
+            "total_known": self.files_sized >= self.files and not self.unsized_download,
             "seconds": round(self.seconds(), 3),
             "done": done,
         }
