@@ -191,6 +191,23 @@ def test_cli_help_lists_every_job():
         assert command in out
 
 
+def test_the_checks_listed_are_the_node_checks_pytest_collects_and_nothing_else():
+    listed = bwstack("verify", "--list-checks", check=True).stdout.split()
+    infra = Path(__file__).resolve().parents[1] / "infra"
+    collected = {line.split("def test_", 1)[1].split("(", 1)[0]
+                 for path in infra.glob("test_*.py") for line in path.read_text().splitlines()
+                 if line.startswith("def test_")}  # fmt: skip
+    assert sorted(listed) == sorted(collected)
+    assert not {"image", "runtime", "pytest_generate_tests"} & set(listed), "fixtures and hooks are no checks"
+
+
+@pytest.mark.parametrize("name", ["runtime", "pytest_generate"], ids=["a-fixtures-name", "a-hooks-name"])
+def test_a_waiver_naming_only_a_fixture_or_hook_of_the_checks_is_refused(name):
+    result = bwstack("verify", "--skip", f"{name}=no check is called this")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and f"no check's name contains {name!r}" in result.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [
