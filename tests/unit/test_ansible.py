@@ -697,6 +697,58 @@ def test_a_host_whose_settings_the_first_read_does_not_cover_fails_on_the_reused
     assert calls.read_text().splitlines() == ["controller-facts --wheel-dir /w", "controller-facts --profile cu128"]
 
 
+def _receipt(compared: bool, changed: list[str]) -> dict:
+    return {"converged": False, "why": "changed since the last run", "compared": compared, "changed": changed}
+
+
+_TOOL_ANSWERS = [
+    # case, what the node's bwstack answers to `receipt --check` (None: no bwstack there), changed, drifted
+    ("no bwstack on the node yet", None, False, False),
+    ("an older bwstack without receipt", (2, "usage: bwstack ..."), True, False),
+    ("no receipt to compare with", (0, _receipt(False, [])), True, False),
+    ("compared and the tool venv unchanged", (0, _receipt(True, ["/x"])), False, False),
+    ("compared and the tool venv changed", (0, _receipt(True, ["{root}/tool"])), True, True),
+]
+
+
+@needs_ansible
+@pytest.mark.parametrize(("case", "answer", "changed", "drifted"), _TOOL_ANSWERS, ids=[c[0] for c in _TOOL_ANSWERS])
+def test_the_converged_check_says_whether_the_tool_venv_is_made_again_and_whether_preflight_may_run_it(
+    tmp_path, case, answer, changed, drifted
+):
+    """bwstack_receipt_tool_changed (the tool role makes the venv again) and bwstack_receipt_tool_drifted (preflight
+    does not run it), from the real converged.yml against a stand-in for the node's bwstack."""
+    root = tmp_path / "store"
+    if answer is not None:
+        code, out = answer
+        text = json.dumps(out).replace("{root}", str(root)) if isinstance(out, dict) else out
+        (root / "tool" / "bin").mkdir(parents=True)
+        fake = root / "tool" / "bin" / "bwstack"
+        fake.write_text(f"#!/bin/sh\ncat <<'EOF'\n{text}\nEOF\nexit {code}\n")
+        fake.chmod(0o755)
+    answer_of_controller = {"lock_sha256": "0" * 64, "wheel": {"sha256": "1" * 64}, "profile": "cu128"}
+    variables = {
+        "bwstack_controller_bwstack": ["/bin/sh", "-c", f"echo '{json.dumps(answer_of_controller)}'", "sh"],
+        "bwstack_lock": "", "bwstack_root": str(root), "bwstack_cuda_method": "none", "bwstack_tool_wrapper": "",
+        "bwstack_mlenv_os_release": "/etc/os-release", "bwstack_tool_wheel": "",
+    }  # fmt: skip
+    tasks = [
+        {"ansible.builtin.import_role": {"name": "bwstack", "tasks_from": "converged.yml"}},
+        {"ansible.builtin.debug": {"msg": "FACTS {{ {'changed': bwstack_receipt_tool_changed | bool, "
+                                          "'drifted': bwstack_receipt_tool_drifted | bool} | to_json }}"}},
+    ]  # fmt: skip
+    play = tmp_path / "play.yml"
+    play.write_text(yaml.safe_dump([{"hosts": "bwstack_nodes", "gather_facts": False, "vars": variables,
+                                     "tasks": tasks}]))  # fmt: skip
+    # The digest of every role's settings is not what this asks about: no settings (extra vars outrank role vars).
+    no_settings = ["-e", json.dumps({"bwstack_receipt_settings": []})]
+    result = run([tool("ansible-playbook"), "-i", str(local_inventory(tmp_path / "hosts.yml")), *no_settings,
+                  str(play)])  # fmt: skip
+    assert result.rc == 0, result.out[-3000:]
+    facts = json.loads(result.out.split('"msg": "FACTS ', 1)[1].split('"\n', 1)[0].replace('\\"', '"'))
+    assert facts == {"changed": changed, "drifted": drifted}
+
+
 # A stand-in interpreter for the tool role: `-m venv DIR` makes a venv whose python (pip included) and bwstack
 # succeed, so the role's own steps run without installing anything.
 _FAKE_PYTHON = """#!/bin/sh
