@@ -16,6 +16,7 @@ import pytest
 from bwstack.checks.session import session_lock
 from bwstack.checks.verify import HostUnavailable
 from bwstack.fleet import probe_bundle
+from bwstack.fsutil import atomic_write_text
 from bwstack.lock.model import Lock, Profile
 from bwstack.probe import schema, waivers
 from bwstack.probe.generation import GenerationFacts
@@ -269,7 +270,8 @@ def facts(host, request: pytest.FixtureRequest, lock: Lock) -> dict:
             out = request.config.getoption("--stack-facts-dir")
             if out:
                 Path(out).mkdir(parents=True, exist_ok=True)
-                (Path(out) / f"{key.replace('/', '_')}.json").write_text(json.dumps(_FACTS[key], indent=1))
+                # A new file put in place: a link already at that name is replaced, not written through (as root).
+                atomic_write_text(Path(out) / f"{key.replace('/', '_')}.json", json.dumps(_FACTS[key], indent=1))
     got = _FACTS[key]
     if isinstance(got, HostUnavailable):
         raise got

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from bwstack.cli import options
 from bwstack.cli.console import Console
+from bwstack.fsutil import atomic_write_text
 
 NAME = "render"
 HELP = "hash-pinned requirements of a profile (stdout), or per Docker layer"
@@ -33,7 +34,9 @@ def run(args: argparse.Namespace) -> int:
         written = []
         for i, (layer, text) in enumerate(requirements.render_layers(profile, packages, lock.image_layers).items(), 1):
             path = out / f"{i:02d}-{layer}.txt"
-            path.write_text(text)
+            # A new file put in place: a link already at that name (in a folder others can write) is replaced,
+            # not written through.
+            atomic_write_text(path, text)
             written.append(str(path))
         console.text("\n".join(written))
         return 0
