@@ -479,3 +479,19 @@ def test_an_archive_path_inside_the_store_is_refused_in_one_line(world, where):
     result = world["run"]("backup", "--archive", str(folder / "gen.tar.zst"))
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "inside the store" in result.stderr and sorted(p.name for p in folder.iterdir()) == before
+
+
+@pytest.mark.parametrize("where", [".", "generations"])
+def test_an_archive_path_inside_another_store_is_refused_in_one_line(world, tmp_path, where):
+    """Another store's prune removes what it does not know: the archive written there would be lost."""
+    from bwstack.store.layout import Layout
+    from bwstack.store.session import open_store
+
+    other = tmp_path / "other-store"
+    with open_store(Layout(other, tmp_path / "other-env", None, None), lambda _line: None):
+        pass
+    folder = other / where
+    before = sorted(p.name for p in folder.iterdir())
+    result = world["run"]("backup", "--archive", str(folder / "gen.tar.zst"))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert f"inside the store {other}" in result.stderr and sorted(p.name for p in folder.iterdir()) == before

@@ -209,3 +209,95 @@ def test_a_link_another_user_plants_on_the_way_to_a_new_root_is_never_made_throu
     with pytest.raises(UsageError, match="cannot be made"), open_store(layout, print):
         pass
     assert os.listdir(victim) == []
+
+
+def _an_empty_store(folder: Path) -> Path:
+    with open_store(Layout(folder, folder.parent / "ml-env", None, None), lambda _line: None):
+        pass
+    return folder
+
+
+@pytest.mark.parametrize(
+    "inside",
+    ["nested", "generations/0000-cu128-abc/env/x", "cache/wheels/mine"],
+    ids=["beside-its-generations", "in-a-generation", "in-its-cache"],
+)
+@pytest.mark.parametrize("command", [["prune", "--keep", "1"], ["backup"]], ids=["prune", "backup"])
+def test_a_root_inside_another_store_is_refused_and_nothing_is_made_there(tmp_path, inside, command, monkeypatch):
+    """A store made inside another would be files that store does not know: a generation that fails its manifest
+    check, a root holding other files that its own prune then refuses."""
+    outer = _an_empty_store(tmp_path / "outer")
+    before = sorted(str(p.relative_to(outer)) for p in outer.rglob("*"))
+    monkeypatch.setenv("BWSTACK_CACHE", str(tmp_path / "cache"))
+    root = outer / inside
+    result = bwstack(*command, "--root", str(root), "--ml-env", str(tmp_path / "ml-env"), "--cuda-link", "none")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert f"store root {root} is inside the store {outer}" in result.stderr
+    assert sorted(str(p.relative_to(outer)) for p in outer.rglob("*")) == before
+
+
+def test_a_root_beside_another_store_opens(tmp_path):
+    _an_empty_store(tmp_path / "one")
+    assert (_an_empty_store(tmp_path / "two") / "generations").is_dir()
+
+
+@pytest.mark.parametrize(
+    ("ml_env", "cuda_link"),
+    [("env", "env"), ("root/env", "cuda"), ("env", "root/cuda"), ("root", "cuda"), ("env", "env/cuda")],
+    ids=["both-links-at-one-path", "env-link-in-the-store", "cuda-link-in-the-store", "env-link-is-the-store",
+         "cuda-link-below-the-env-link"],
+)  # fmt: skip
+def test_a_store_and_links_that_overlap_are_refused_before_anything_is_touched(tmp_path, ml_env, cuda_link):
+    """The env link re-pointed at the toolkit (both links at one path) left the env without its python."""
+    result = bwstack("rollback", "--root", str(tmp_path / "root"), "--ml-env", str(tmp_path / ml_env),
+                     "--cuda-link", str(tmp_path / cuda_link), "--take-over-links")  # fmt: skip
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "must be three separate places" in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def _a_folder_of_other_files(tmp_path: Path) -> Path:
+    folder = tmp_path / "notastore"
+    folder.mkdir()
+    (folder / "important.txt").write_text("kept\n")
+    return folder
+
+
+def _a_link_to_a_store(tmp_path: Path) -> Path:
+    (tmp_path / "slink").symlink_to(_an_empty_store(tmp_path / "store"))
+    return tmp_path / "slink"
+
+
+@pytest.mark.parametrize(
+    ("root_of", "says"),
+    [(_a_folder_of_other_files, "no bwstack store at"), (_a_link_to_a_store, "no bwstack store at")],
+    ids=["a-folder-that-is-no-store", "a-link-to-a-store"],
+)
+def test_the_waivers_command_writes_only_into_a_store_named_as_it_is(tmp_path, root_of, says):
+    root = root_of(tmp_path)
+    before = {p: p.read_bytes() if p.is_file() else None for p in tmp_path.rglob("*")}
+    result = bwstack("waivers", "--root", str(root), "--set", "nvcc=no toolkit here")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and says in result.stderr, result.stderr
+    assert {p: p.read_bytes() if p.is_file() else None for p in tmp_path.rglob("*")} == before
+
+
+def test_the_waivers_command_waits_for_no_one_and_changes_nothing_while_another_run_holds_the_store(tmp_path):
+    store = _an_empty_store(tmp_path / "store")
+    with open_store(Layout(store, tmp_path / "ml-env", None, None), lambda _line: None):
+        result = bwstack("waivers", "--root", str(store), "--set", "nvcc=no toolkit here")
+    assert result.returncode == 3 and "another bwstack run holds" in result.stderr, result.stderr
+    assert not (store / "waivers.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [(["--check"], "--check: give --set or --clear"),
+     (["--set", "runtime=no check is called this"], "no check's name contains 'runtime'"),
+     (["--set", "nvcc"], "expected CHECK=REASON")],
+    ids=["check-alone", "a-waiver-matching-no-check", "a-waiver-without-its-reason"],
+)  # fmt: skip
+def test_the_waivers_command_refuses_what_would_do_nothing(tmp_path, args, says):
+    store = _an_empty_store(tmp_path / "store")
+    result = bwstack("waivers", "--root", str(store), *args)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and says in result.stderr, result.stderr
+    assert not (store / "waivers.json").exists()

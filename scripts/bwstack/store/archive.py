@@ -56,6 +56,7 @@ from bwstack.store.generations import (
     now_iso,
     run_env_check,
 )
+from bwstack.store.layout import enclosing_store
 from bwstack.store.record import GenerationRecord, RecordError
 from bwstack.store.tree import make_writable_parent, remove_tree
 
@@ -119,6 +120,12 @@ def write_archive(store: Store, gen: Generation, path: Path, level: int = 3) -> 
         raise UsageError(
             f"--archive {path}: inside the store {store.layout.root}, which keeps only its own files (and an archive "
             f"is the copy that outlives the store): write it to another disk or a NAS share"
+        )
+    other = enclosing_store(path.parent)
+    if other is not None:
+        raise UsageError(
+            f"--archive {path}: inside the store {other}, which keeps only its own files (its prune would remove the "
+            f"archive): write it outside every store"
         )
     started = time.perf_counter()
     _remove_abandoned_partials(path)

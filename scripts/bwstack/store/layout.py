@@ -4,6 +4,7 @@ command line, BWSTACK_* variables, or the defaults (root or user)."""
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +13,7 @@ from bwstack import paths
 from bwstack.errors import UsageError
 from bwstack.probe import pathtrust
 from bwstack.store.objects import ObjectStore
+from bwstack.store.runlock import NAME as LOCK_NAME
 
 
 def setting(explicit: str | None, variable: str) -> str | None:
@@ -59,7 +61,7 @@ class Layout:
         link = None if link_value == "none" else Path(link_value)
         profile_d = Path("/etc/profile.d/bwstack.sh") if is_root and root_value is None and link is not None else None
         cache_value = setting(None, "BWSTACK_CACHE")
-        return cls(
+        layout = cls(
             root_path.absolute(),
             ml.absolute(),
             link.absolute() if link else None,
@@ -67,6 +69,23 @@ class Layout:
             take_over_links,
             Path(cache_value).absolute() if cache_value else None,
         )
+        layout.check_apart()
+        return layout
+
+    def check_apart(self) -> None:
+        """The store, the env link and the CUDA link are three places: a link named inside the store (or the store
+        inside a link's path, or both links at one path) would have one of them overwrite what another keeps,
+        such as the env link re-pointed at the toolkit."""
+        named = [("--root", self.root), ("--ml-env", self.ml_env)]
+        if self.cuda_link is not None:
+            named.append(("--cuda-link", self.cuda_link))
+        for i, (flag, path) in enumerate(named):
+            for other_flag, other in named[i + 1 :]:
+                if path == other or path in other.parents or other in path.parents:
+                    raise UsageError(
+                        f"{flag} {path} and {other_flag} {other} overlap: the store, the env link and the CUDA link "
+                        f"must be three separate places"
+                    )
 
     @property
     def generations(self) -> Path:
@@ -100,6 +119,22 @@ class Layout:
     @property
     def objects(self) -> ObjectStore:
         return ObjectStore(self.cache / "objects")
+
+
+def is_store(folder: Path) -> bool:
+    """Whether `folder` is a bwstack store: its run lock (a file) and generations/ (a folder), links not followed."""
+    try:
+        lock, generations = os.lstat(Path(folder) / LOCK_NAME), os.lstat(Path(folder) / "generations")
+    except OSError:
+        return False
+    return stat.S_ISREG(lock.st_mode) and stat.S_ISDIR(generations.st_mode)
+
+
+def enclosing_store(path: Path) -> Path | None:
+    """The store `path` lies in (the path itself or a folder above it, the path's links resolved as it reaches
+    them); None when it lies in none."""
+    here = Path(os.path.realpath(path))
+    return next((folder for folder in (here, *here.parents) if is_store(folder)), None)
 
 
 def check_cache(layout: Layout) -> None:

@@ -20,7 +20,7 @@ from bwstack.errors import UsageError
 from bwstack.fsutil import atomic_symlink
 from bwstack.probe import dirfd
 from bwstack.store.generations import Store
-from bwstack.store.layout import Layout, check_cache, check_private_folder
+from bwstack.store.layout import Layout, check_cache, check_private_folder, enclosing_store
 from bwstack.store.runlock import NAME as LOCK_NAME
 from bwstack.store.runlock import RunLock
 from bwstack.store.tree import exchange, remove_tree
@@ -68,6 +68,14 @@ def check_store_root(layout: Layout) -> None:
     /tmp, a folder that happens to hold a `tool/`) would be opened up to everyone and left holding the store's
     files, and a root another user owns is their store, not this run's."""
     root = layout.root
+    # A store inside another (in a generation, or beside its generations/) would be files that store does not know:
+    # its generation fails its manifest check, its root holds other files.
+    outer = enclosing_store(root.parent)
+    if outer is not None:
+        raise UsageError(
+            f"store root {root} is inside the store {outer}, which keeps only its own files: name a folder outside "
+            f"it (--root)"
+        )
     # Who can write the folders above it: another user who can rename the root away could put a folder of theirs
     # in its place after this check, and the run would open the store there.
     check_private_folder(root, "the store root", "--root")

@@ -22,29 +22,37 @@ def add_options(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from bwstack.checks.verify import parse_waivers
     from bwstack.probe import waivers
+    from bwstack.store.layout import is_store
+    from bwstack.store.session import open_store
 
     layout = options.layout(args)
     replace = args.set is not None or args.clear
     changed = False
     if args.set is not None and args.clear:
         raise UsageError("--set and --clear: give one (--set replaces the remembered waivers, --clear drops them)")
-    if replace and not layout.root.is_dir():
-        raise UsageError(f"no bwstack store at {layout.root}: provision the node first")
+    if args.check and not replace:
+        raise UsageError("--check: give --set or --clear with it (it says whether they would change anything)")
+    # A write goes where a store is: not into any folder --root names, nor through a link at its name.
+    if replace and (layout.root.is_symlink() or not is_store(layout.root)):
+        raise UsageError(f"no bwstack store at {layout.root}: provision the node first (or name the store, --root)")
+    # The same names verify accepts: a waiver that matches no check would waive nothing.
+    wanted = [] if args.clear else parse_waivers(options.waiver_texts(args.set), "--set") if args.set else None
     try:
         current = waivers.load(layout.root)
     except ValueError as exc:
         if not replace:
-            raise BwstackError(str(exc)) from None
+            raise UsageError(str(exc)) from None
         current = None  # a damaged file is replaced
-    if replace:
-        wanted = [] if args.clear else [waivers.parse(t) for t in options.waiver_texts(args.set)]
+    if wanted is not None:
         changed = current != wanted
         if changed and not args.check:
-            try:
-                waivers.save(layout.root, wanted)
-            except OSError as exc:
-                raise BwstackError(f"could not write {waivers.path_of(layout.root)}: {exc.strerror}") from None
+            with open_store(layout, log=lambda _line: None):  # its run lock: one change to the store at a time
+                try:
+                    waivers.save(layout.root, wanted)
+                except OSError as exc:
+                    raise BwstackError(f"could not write {waivers.path_of(layout.root)}: {exc.strerror}") from None
         current = wanted
     rows = [{"check": w.check, "reason": w.reason} for w in current or []]
     payload = {"store": str(layout.root), "waivers": rows, "changed": changed}
