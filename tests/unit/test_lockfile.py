@@ -7,6 +7,7 @@ longer matches its spec is refused by everything that would install it, and stil
 from __future__ import annotations
 
 import copy
+import fcntl
 import json
 import os
 import socket
@@ -770,3 +771,38 @@ def test_the_resolvers_stand_in_wheel_never_writes_through_a_link(tmp_path):
     with pytest.raises(UsageError):
         write_stub_wheel(folder, "torch-2.9.1-cp312-cp312-linux_x86_64.whl", "torch", "2.9.1", [])
     assert victim.read_text() == "precious\n"
+
+
+def test_a_second_lock_rewrite_of_the_same_file_is_refused_while_the_first_runs(tmp_path):
+    """Both would write a lock made from what they read before the other wrote: one profile's update lost."""
+    path = tmp_path / "stack.lock.yaml"
+    path.write_bytes(REAL_LOCK.read_bytes())
+    held = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)  # what the first run holds from its read to its write
+        result = bwstack("--lock", str(path), "lock", "--profile", "cu128")
+    finally:
+        os.close(held)
+    assert result.returncode == 3 and result.stderr.count("\n") == 1, result.stderr
+    assert "another `bwstack lock` is rewriting" in result.stderr
+    assert path.read_bytes() == REAL_LOCK.read_bytes()
+
+
+def test_a_lock_rewrite_through_a_link_is_refused_and_both_are_left_as_they_were(tmp_path):
+    target = tmp_path / "real.yaml"
+    target.write_bytes(REAL_LOCK.read_bytes())
+    (tmp_path / "stack.lock.yaml").symlink_to(target)
+    result = bwstack("--lock", str(tmp_path / "stack.lock.yaml"), "lock", "--profile", "cu128")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "is a link" in result.stderr
+    assert (tmp_path / "stack.lock.yaml").is_symlink() and target.read_bytes() == REAL_LOCK.read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [(["--offline"], "--offline: only with --check"),
+     (["--check", "--offline", "--profile", "nosuch"], "--profile: only when resolving")],
+    ids=["offline-without-check", "profile-with-check"],
+)  # fmt: skip
+def test_lock_options_that_would_be_ignored_are_refused(args, says):
+    result = bwstack("lock", *args)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and says in result.stderr, result.stderr

@@ -10,11 +10,13 @@ never from a download of ours and never made up.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import tempfile
 import zipfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -22,7 +24,7 @@ import requests
 import yaml
 from packaging.utils import canonicalize_name
 
-from bwstack.errors import BwstackError, UsageError
+from bwstack.errors import BusyError, BwstackError, UsageError
 from bwstack.fsutil import atomic_write_text
 from bwstack.lock import pypi
 from bwstack.lock.model import GENERATED_MARKER, HASH_SOURCE_PYPI, Lock, LockedPackage, Profile, Wheel
@@ -273,6 +275,29 @@ def lock_profiles(lock: Lock, profiles: Iterable[str] | None = None, *, log=prin
                 "cuda_toolkit": _dump_packages(profile.closure.cuda_toolkit),
             }
     return render_lock_text(lock, closures)
+
+
+@contextmanager
+def rewriting(path: str | os.PathLike) -> Iterator[None]:
+    """One rewrite of the lock file at a time, from its read to its write (a second `bwstack lock` on the same file
+    would write a lock made from what it read before the first wrote, losing the first one's profiles). Held on
+    the file's folder: the write puts a new file in place, so the file itself is not a lasting thing to hold. A
+    link at the lock's name is refused: the new file would replace the link and leave what it names as it was."""
+    path = Path(path)
+    if path.is_symlink():
+        raise UsageError(f"--lock {path} is a link: name the file it points to (the lock is written as a new file)")
+    try:
+        fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise UsageError(f"--lock {path}: its folder cannot be opened ({exc.strerror})") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise BusyError(f"another `bwstack lock` is rewriting {path}: run it again when that one ends") from None
+        yield
+    finally:
+        os.close(fd)
 
 
 def write_lock(path: str | os.PathLike, text: str) -> None:

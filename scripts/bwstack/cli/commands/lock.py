@@ -19,19 +19,25 @@ def add_options(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from bwstack.errors import UsageError
     from bwstack.lock import resolve
     from bwstack.lock.model import load_lock
 
     console = Console.of(args)
-    lock = load_lock(args.lock)
     if args.check:
+        if args.profile is not None:
+            raise UsageError("--profile: only when resolving (--check checks every profile of the lock)")
         from bwstack.lock import check as lockcheck
 
-        report = lockcheck.check_lock(lock, online=not args.offline)
+        report = lockcheck.check_lock(load_lock(args.lock), online=not args.offline)
         console.result(report.as_dict(), report.render)
         return 0 if report.ok else 1
-    profiles = [lock.profile_name(args.profile)] if args.profile else None
-    text = resolve.lock_profiles(lock, profiles, log=console.note)
-    resolve.write_lock(args.lock, text)
+    if args.offline:
+        raise UsageError("--offline: only with --check (resolving reads PyPI)")
+    with resolve.rewriting(args.lock):
+        lock = load_lock(args.lock)
+        profiles = [lock.profile_name(args.profile)] if args.profile else None
+        text = resolve.lock_profiles(lock, profiles, log=console.note)
+        resolve.write_lock(args.lock, text)
     console.result({"wrote": args.lock}, f"wrote {args.lock}")
     return 0
