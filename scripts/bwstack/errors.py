@@ -24,6 +24,11 @@ class LockError(UsageError):
         super().__init__(f"{path}: {where}: {message}" if where else f"{path}: {message}")
 
 
+class ArchiveRefusedError(UsageError):
+    """An archive to restore is malformed or hostile (a member outside the generation, a device file, a damaged
+    stream, not the bytes its .sha256 names): bad input, refused before anything is written."""
+
+
 class HashMismatchError(BwstackError):
     """A downloaded artifact is not the one the lock names."""
 

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import zstandard
 
-from bwstack.errors import BwstackError, IntegrityError, UsageError
+from bwstack.errors import ArchiveRefusedError, BwstackError, IntegrityError, UsageError
 from bwstack.fsutil import append_line, atomic_write_bytes
 from bwstack.probe import treecheck
 from bwstack.store import manifest
@@ -260,8 +260,8 @@ class Member:
         return cls(name, kind, info.size if kind == "f" else 0, info.mode & 0o7777, target, int(info.mtime))
 
 
-def _refuse(what: str) -> IntegrityError:
-    return IntegrityError(f"{what}; refusing the archive (nothing was written)")
+def _refuse(what: str) -> ArchiveRefusedError:
+    return ArchiveRefusedError(f"{what}; refusing the archive (nothing was written)")
 
 
 def _relative_name(raw: str) -> str:
@@ -436,7 +436,9 @@ class _Extractor:
                 while remaining > 0:
                     chunk = data.read(min(COPY_CHUNK, remaining))
                     if not chunk:
-                        raise IntegrityError(f"archive member {TOP}/{member.name} ends early; refusing the archive")
+                        raise ArchiveRefusedError(
+                            f"archive member {TOP}/{member.name} ends early; refusing the archive"
+                        )
                     os.write(fd, chunk)
                     remaining -= len(chunk)
                 os.fchmod(fd, member.mode)
@@ -508,14 +510,17 @@ def _check_sidecar(path: Path, digest: str, vouched: bool, log) -> None:
     try:
         words = treecheck.read_bounded(sidecar, 4096, "a .sha256 file").decode("utf-8", errors="replace").split()
     except (OSError, ValueError):
-        log(f"warning: no readable {sidecar.name} beside the archive; relying on the manifest inside it")
+        # None there: nothing to compare, and what vouches for the archive decides (unvouched, it is refused).
+        # One there that cannot be read (a link, a folder) is odd enough to say.
+        if os.path.lexists(sidecar):
+            log(f"warning: {sidecar.name} beside the archive cannot be read; relying on what vouches for the archive")
         return
     if (words[0] if words else "") == digest:
         return
     if vouched:
         log(f"warning: {sidecar.name} does not hold the archive's sha256; what vouches for the archive does")
         return
-    raise IntegrityError(f"{path}: sha256 {digest} is not the one in {sidecar.name}; refusing to restore")
+    raise ArchiveRefusedError(f"{path}: sha256 {digest} is not the one in {sidecar.name}; refusing to restore")
 
 
 # What a restored generation keeps of the archive's record (the rest - id, origin, verification - is its own).
@@ -562,7 +567,7 @@ def restore(store: Store, path: Path, *, sha256: str | None = None, switch: bool
         try:
             scan = _scan(fd, vouched)
         except (tarfile.TarError, zstandard.ZstdError, EOFError, UnicodeError) as exc:
-            raise IntegrityError(f"{path}: not a readable bwstack archive ({str(exc)[:200]})") from None
+            raise ArchiveRefusedError(f"{path}: not a readable bwstack archive ({str(exc)[:200]})") from None
         record, doc = _parse_metadata(scan)
         digest = doc.content_digest()
         for gen in store.usable():
@@ -588,7 +593,7 @@ def restore(store: Store, path: Path, *, sha256: str | None = None, switch: bool
             try:
                 _extract(fd, scan, building, vouched)
             except (tarfile.TarError, zstandard.ZstdError, EOFError) as exc:
-                raise IntegrityError(f"{path}: not a readable bwstack archive ({str(exc)[:200]})") from None
+                raise ArchiveRefusedError(f"{path}: not a readable bwstack archive ({str(exc)[:200]})") from None
             return _commit_restored(store, building, path, record, doc, gen_id, switch, started, log)
         except BaseException as exc:
             remove_tree(building)
@@ -613,7 +618,7 @@ def _commit_restored(
     problems = manifest.verify(building, files, "full", skip_top=(MANIFEST, RECORD))
     problems = [p for p in problems if p.path != "."]
     if problems:
-        raise IntegrityError(f"{path}: restored files do not match the archived manifest: {problems[0]}")
+        raise ArchiveRefusedError(f"{path}: restored files do not match the archived manifest: {problems[0]}")
     python_link = building / "env" / "bin" / "python"
     if python_link.is_symlink() and not python_link.exists():
         raise BwstackError(
