@@ -5,7 +5,10 @@ Every layer asks here instead of counting `parents[...]` from its own file, whic
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+from bwstack.errors import UsageError
 
 # bwstack's store when it runs as root (another user's is ~/.local/share/bwstack): the one place this default is
 # written in Python. The Ansible side has one too, the bwstack role's `bwstack_root` (its defaults/main.yml).
@@ -30,12 +33,15 @@ def in_checkout(*parts: str) -> Path | None:
 
 
 def shipped(checkout_dir: str, package: str, marker: str, env: str | None = None) -> Path | None:
-    """A directory bwstack ships as data: $env if set, else the checkout's `checkout_dir`, else its copy installed
-    as the top-level package `package` (pyproject.toml maps the directory to it); the first holding `marker`."""
+    """A directory bwstack ships as data: $env if set (see setting_dir), else the checkout's `checkout_dir`, else
+    its copy installed as the top-level package `package` (pyproject.toml maps the directory to it); the first
+    holding `marker`."""
     import importlib.util
-    import os
 
-    candidates = [os.environ.get(env) if env else None, in_checkout(checkout_dir)]
+    given = setting_dir(env, marker) if env else None
+    if given is not None:
+        return given
+    candidates = [in_checkout(checkout_dir)]
     spec = importlib.util.find_spec(package)
     if spec is not None and spec.submodule_search_locations:
         candidates += list(spec.submodule_search_locations)
@@ -43,6 +49,24 @@ def shipped(checkout_dir: str, package: str, marker: str, env: str | None = None
         if candidate and (Path(candidate) / marker).is_file():
             return Path(candidate)
     return None
+
+
+def setting_dir(variable: str, marker: str) -> Path | None:
+    """The directory the environment variable names (None where it is unset), holding `marker`. A value that is
+    set is used or refused, never passed over for the default: it was set to point somewhere else."""
+    value = os.environ.get(variable)
+    if value is None:
+        return None
+    if not value.strip():
+        raise UsageError(f"{variable} is empty: give a directory (or unset it to use the default)")
+    why = path_problem(value)
+    if why:
+        raise UsageError(f"{variable} {value!r} {why}")
+    if not Path(value).is_dir():
+        raise UsageError(f"{variable}={value}: not a directory (give one, or unset it to use the default)")
+    if not (Path(value) / marker).is_file():
+        raise UsageError(f"{variable}={value}: holds no {marker} (is it the right directory?)")
+    return Path(value)
 
 
 def path_problem(value: str) -> str | None:

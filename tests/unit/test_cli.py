@@ -314,3 +314,233 @@ def test_the_bench_compiles_its_dependencies_bytecode_as_an_install_has_it(tmp_p
     with pytest.raises(RuntimeError, match="set up"):
         run.run("stack.lock.yaml", "cu128", str(tmp_path), 1, True, ["P5"])
     assert cached.is_file()
+
+
+# ------------------------------------------------------------------------------------------------ Ctrl-C at start-up
+
+# Modules bwstack imports on its way to a command, in the order it imports them: the package (whose first lines
+# guard SIGINT), the CLI's entry module, the shared options, the heaviest import (the lock model), the console
+# (imported by the command modules) and the last import while the parser is built (`accept`'s options). The
+# command modules themselves come through importlib.import_module, which PYTHONPROFILEIMPORTTIME does not report.
+START_UP_IMPORTS = (
+    "bwstack",
+    "bwstack.cli.main",
+    "bwstack.cli.options",
+    "bwstack.lock.model",
+    "bwstack.cli.console",
+    "bwstack.accept.command",
+)
+ENTRY_POINTS = ("python -m bwstack", "the bwstack script")
+
+
+def _cli(entry: str, *args: str) -> list[str]:
+    import sys
+
+    if entry == "python -m bwstack":
+        return [sys.executable, "-m", "bwstack", *args]
+    return [str(Path(sys.executable).with_name("bwstack")), *args]
+
+
+def _imported(line: str) -> str:
+    """The module a PYTHONPROFILEIMPORTTIME line reports as imported ("import time: 12 | 34 |   name")."""
+    return line.rsplit("|", 1)[-1].strip() if line.startswith("import time:") else ""
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("module", START_UP_IMPORTS)
+def test_ctrl_c_just_after_any_start_up_import_exits_130_with_one_line_and_no_traceback(entry, module):
+    """PYTHONPROFILEIMPORTTIME has the interpreter report each import as it completes, so the interrupt lands at
+    a known point of start-up (right after `module`), not at a delay that lands somewhere else on a busier box."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(
+        _cli(entry, "--version"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPROFILEIMPORTTIME": "1"},
+    )
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if _imported(line) == module:
+            proc.send_signal(signal.SIGINT)
+            break
+    # Read to the end through the same file objects: communicate() would skip what they have buffered already.
+    seen += proc.stderr.readlines()
+    stdout = proc.stdout.read()
+    proc.wait(timeout=60)
+    said = [line for line in seen if not line.startswith("import time:")]
+    assert any(_imported(line) == module for line in seen), f"start-up no longer imports {module}: pick another"
+    assert "Traceback" not in "".join(said)
+    assert (proc.returncode, stdout, len(said)) == (130, "", 1), said
+    assert said[0].startswith("bwstack: interrupted")
+
+
+@pytest.mark.parametrize("delay", [0.1, 0.2, 0.3, 0.4], ids=lambda delay: f"after-{delay}s")
+def test_ctrl_c_a_moment_after_start_ends_quietly_whenever_it_lands(delay):
+    """As a person presses it. Before about 0.1 s the interpreter itself is still starting (site, an editable
+    install's import hook), before any line of bwstack runs: the test above covers bwstack's own start-up."""
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(
+        _cli("python -m bwstack", "--version"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert "Traceback" not in stderr
+    assert len(stderr.splitlines()) <= 1, stderr
+    # 0: done before the signal; -SIGINT: it landed as the interpreter was exiting (the shell shows 130 too).
+    assert proc.returncode in (0, 130, -signal.SIGINT)
+
+
+# ------------------------------------------------------------------------------------------------ values refused early
+
+REQUIREMENT = (
+    "six @ https://files.pythonhosted.org/packages/x/six-1.16.0-py2.py3-none-any.whl --hash=sha256:" + "0" * 64
+)
+
+
+def _env_install(tmp_path: Path, *extra: str, env: dict | None = None):
+    """`env install` of one locked wheel, offline with no wheelhouse: a run that gets past its checks fails at
+    the fetch (exit 1, "is in no wheelhouse"), so exit 2 says the value was refused before anything ran."""
+    requirements = tmp_path / "r.txt"
+    requirements.write_text(REQUIREMENT + "\n")
+    store = tmp_path / "store"
+    store.mkdir(mode=0o700, exist_ok=True)
+    args = ["env", "install", "--requirements", str(requirements), "--store", str(store), "--offline"]
+    if "--into" not in extra:
+        args += ["--into", str(tmp_path / "env")]
+    return bwstack(*args, *extra, env=env)
+
+
+def test_env_install_gets_past_its_checks_to_the_fetch_with_good_values(tmp_path):
+    result = _env_install(tmp_path, "--python-version", "3.12", "--index", "pypi=https://mirror.example/simple")
+    assert result.returncode == 1 and "is in no wheelhouse and the run is offline" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("abc", "argument --python-version: 'abc' is not a Python version like 3.12"),
+        ("3", "argument --python-version: '3' is not a Python version like 3.12"),
+        ("3.12.1", "argument --python-version: '3.12.1' is not a Python version like 3.12"),
+        ("2.7", "argument --python-version: '2.7' is not a Python version like 3.12"),
+        ("3.", "argument --python-version: '3.' is not a Python version like 3.12"),
+    ],
+    ids=["letters", "major-only", "patch-level", "python-2", "no-minor"],
+)
+def test_env_install_refuses_a_bad_python_version_in_one_line(tmp_path, value, says):
+    result = _env_install(tmp_path, "--python-version", value)
+    assert (result.returncode, result.stderr) == (2, f"bwstack env install: error: {says}\n")
+    assert not (tmp_path / "env").exists()
+
+
+@pytest.mark.parametrize("kind", ["regular file", "dangling link"])
+def test_env_install_into_something_that_is_not_a_folder_is_refused_before_the_fetch(tmp_path, kind):
+    into = tmp_path / "into"
+    if kind == "regular file":
+        into.write_text("not an env\n")
+    else:
+        into.symlink_to(tmp_path / "nowhere")
+    result = _env_install(tmp_path, "--into", str(into))
+    assert result.returncode == 2
+    assert (
+        result.stderr
+        == f"bwstack: error: --into {into}: exists and is not a directory (give an env folder or a new path)\n"
+    )
+
+
+@pytest.mark.parametrize("command", ["fetch", "env install"])
+@pytest.mark.parametrize(
+    "mirror",
+    ["garbage-no-equals", "pypi=http://plain-http.example/simple", "=https://no-name.example/simple", "pypi="],
+    ids=["no-equals", "plain-http", "no-name", "no-url"],
+)
+def test_fetch_and_env_install_refuse_the_same_bad_index_with_the_same_line(tmp_path, command, mirror):
+    if command == "fetch":
+        result = bwstack("fetch", "--dest", str(tmp_path / "dest"), "--offline", "--index", mirror)
+    else:
+        result = _env_install(tmp_path, "--index", mirror)
+    assert result.returncode == 2
+    assert result.stderr == f"bwstack: error: --index {mirror!r}: expected NAME=https://mirror/simple\n"
+
+
+def test_env_install_checks_the_mirrors_in_bwstack_index_as_fetch_does(tmp_path):
+    result = _env_install(tmp_path, env={"BWSTACK_INDEX": "pypi=https://mirror.example/simple\nnot-a-mirror\n"})
+    assert (result.returncode, result.stderr) == (
+        2,
+        "bwstack: error: --index 'not-a-mirror': expected NAME=https://mirror/simple\n",
+    )
+
+
+UNREACHABLE = ["--target", "ssh://127.0.0.1:1", "--check"]  # port 1: nothing listens, should anything try
+
+
+@pytest.mark.parametrize("command", [["provision", *UNREACHABLE], ["preflight"]], ids=["provision", "preflight"])
+@pytest.mark.parametrize("value", ["nan", "-5", "inf", "-inf", "ten", "1e999"])
+def test_every_command_refuses_a_min_free_gb_that_no_disk_check_can_use(tmp_path, command, value):
+    """One option definition (options.add_min_free_gb) for every command that takes it: refused while the
+    command line is read, before a playbook or a check runs."""
+    # --min-free-gb=VALUE: argparse would take a separate "-inf" for an option of its own.
+    result = bwstack(*command, f"--min-free-gb={value}", env={"BWSTACK_LOG_DIR": str(tmp_path)})
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith(f"bwstack {command[0]}: error: argument --min-free-gb: {value!r}")
+    assert result.stderr.count("\n") == 1 and list(tmp_path.iterdir()) == []
+
+
+def _dir_setting(tmp_path: Path, kind: str) -> str:
+    """A value for a directory setting that must be refused, and what it is."""
+    if kind == "empty":
+        return ""
+    if kind == "spaces":
+        return "   "
+    if kind == "missing":
+        return "/nonexistent"
+    if kind == "regular file":
+        (tmp_path / "file").write_text("")
+        return str(tmp_path / "file")
+    (tmp_path / "other").mkdir()
+    return str(tmp_path / "other")
+
+
+DIR_SETTING_CASES = [
+    ("empty", "{var} is empty: give a directory (or unset it to use the default)"),
+    ("spaces", "{var} is empty: give a directory (or unset it to use the default)"),
+    ("missing", "{var}=/nonexistent: not a directory (give one, or unset it to use the default)"),
+    ("regular file", "{var}={value}: not a directory (give one, or unset it to use the default)"),
+    ("folder without the files", "{var}={value}: holds no {marker} (is it the right directory?)"),
+]
+
+
+@pytest.mark.parametrize("command", ["provision", "rollback"])
+@pytest.mark.parametrize(("kind", "says"), DIR_SETTING_CASES, ids=[kind for kind, _ in DIR_SETTING_CASES])
+def test_a_bad_ansible_dir_setting_is_refused_not_replaced_by_the_checkouts(tmp_path, kind, says, command):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    value = _dir_setting(tmp_path, kind)
+    result = bwstack(command, *UNREACHABLE, env={"BWSTACK_ANSIBLE_DIR": value, "BWSTACK_LOG_DIR": str(logs)})
+    expected = says.format(var="BWSTACK_ANSIBLE_DIR", value=value, marker="provision.yml")
+    assert (result.returncode, result.stderr) == (2, f"bwstack: error: {expected}\n")
+    assert list(logs.iterdir()) == []
+
+
+@pytest.mark.parametrize(("kind", "says"), DIR_SETTING_CASES, ids=[kind for kind, _ in DIR_SETTING_CASES])
+def test_a_bad_docker_dir_setting_is_refused_not_replaced_by_the_checkouts(tmp_path, kind, says):
+    """Refused before Docker is asked for anything (this needs no Docker daemon)."""
+    value = _dir_setting(tmp_path, kind)
+    result = bwstack("image", "build", "--offline", env={"BWSTACK_DOCKER_DIR": value})
+    expected = says.format(var="BWSTACK_DOCKER_DIR", value=value, marker="Dockerfile")
+    assert (result.returncode, result.stderr) == (2, f"bwstack: error: {expected}\n")
+
+
+def test_a_docker_dir_setting_that_holds_the_dockerfile_is_the_one_used(tmp_path, monkeypatch):
+    from bwstack import paths
+
+    (tmp_path / "Dockerfile").write_text("FROM scratch\n")
+    monkeypatch.setenv("BWSTACK_DOCKER_DIR", str(tmp_path))
+    assert paths.shipped("docker", "bwstack_docker", "Dockerfile", env="BWSTACK_DOCKER_DIR") == tmp_path

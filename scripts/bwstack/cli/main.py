@@ -9,20 +9,23 @@ import os
 import sys
 from collections.abc import Sequence
 
-from bwstack import __version__
-from bwstack.cli import options
-from bwstack.cli.commands import modules
+import bwstack
 from bwstack.errors import BwstackError, UsageError
-from bwstack.lock.model import default_lock_path
-from bwstack.terminal import visible
+
+# The commands, their options and the lock model are imported by build_parser, inside main's `try`: a Ctrl-C
+# during those imports (the slow part of start-up) is then one line, never a traceback.
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from bwstack.cli import options
+    from bwstack.cli.commands import modules
+    from bwstack.lock.model import default_lock_path
+
     parser = options.Parser(
         prog="bwstack",
         description="Provision, snapshot, roll back and verify the pinned SM120 LLM-serving stack.",
     )
-    parser.add_argument("--version", action="version", version=f"bwstack {__version__}")
+    parser.add_argument("--version", action="version", version=f"bwstack {bwstack.__version__}")
     # No type check here: argparse would apply it to the default too, and commands that never read the lock
     # (generations, prune) must work where no lock file is beside them. load_lock says what is wrong.
     parser.add_argument(
@@ -40,12 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
     try:
+        from bwstack.cli import options
+
+        parser = build_parser()
         args = parser.parse_args(argv)
         if not args.lock.strip():
             raise UsageError("--lock (or BWSTACK_LOCK) is empty: give a lock file")
         options.reject_empty(parser, args)
+        bwstack.end_start_up()
         return int(args.func(args))
     except BwstackError as exc:
         _error(str(exc))
@@ -75,6 +81,8 @@ _FIX_WHERE_IT_POINTS = frozenset({
 
 
 def _error(text: str) -> None:
+    from bwstack.terminal import visible
+
     message = " | ".join(line.strip() for line in text.strip().splitlines() if line.strip())
     print(f"bwstack: error: {visible(message)}", file=sys.stderr)
 

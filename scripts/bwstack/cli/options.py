@@ -22,6 +22,7 @@ from bwstack import paths
 from bwstack.errors import UsageError
 
 CAPABILITY_RE = re.compile(r"^\d{1,2}\.\d$")
+PYTHON_VERSION_RE = re.compile(r"^3\.\d+\Z")  # the rule of the lock's profiles.<name>.python
 
 
 class Parser(argparse.ArgumentParser):
@@ -36,6 +37,13 @@ def capability(value: str) -> str:
     """A compute capability as the driver reports it: "12.0", "9.0"."""
     if not CAPABILITY_RE.match(value):
         raise argparse.ArgumentTypeError(f"{value!r} is not a compute capability like 12.0 or 9.0")
+    return value
+
+
+def python_version(value: str) -> str:
+    """A CPython minor version as the lock's profiles give it: "3.12"."""
+    if not PYTHON_VERSION_RE.match(value):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a Python version like 3.12")
     return value
 
 
@@ -265,6 +273,12 @@ def add_waivers(
     p.add_argument("--skip", action="append", metavar="CHECK=REASON", help=help)
 
 
+def add_min_free_gb(p: Container, *, default: float | None, help: str) -> None:
+    """--min-free-gb, one definition for every command that takes it: `nan`, `inf` or a negative size would
+    pass every disk check (or none), so they are refused before anything runs."""
+    p.add_argument("--min-free-gb", type=non_negative_float, default=default, metavar="GB", help=help)
+
+
 def add_extra_vars(p: Container) -> None:
     p.add_argument(
         "-e", "--extra-vars", action="append", metavar="VARS", help="passed to ansible-playbook -e (repeatable)"
@@ -275,6 +289,7 @@ def add_extra_vars(p: Container) -> None:
 
 
 INDEX_VARIABLE = "BWSTACK_INDEX"  # NAME=URL mirrors, one a line: credentials kept out of the process table
+INDEX_URL_SCHEMES = ("https://", "file://")
 
 
 def index_mirrors(args: argparse.Namespace) -> tuple[str, ...]:
@@ -283,7 +298,16 @@ def index_mirrors(args: argparse.Namespace) -> tuple[str, ...]:
     token in it goes there (the Ansible module does so on the nodes)."""
     given = tuple(getattr(args, "index", None) or ())
     from_env = tuple(line.strip() for line in os.environ.get(INDEX_VARIABLE, "").splitlines() if line.strip())
-    return given + from_env
+    return tuple(index_mirror(item) for item in given + from_env)
+
+
+def index_mirror(item: str) -> str:
+    """One NAME=URL mirror, by the rule Sources.parse applies on the nodes, checked where every command reads the
+    mirrors: a command that hands them to a playbook refuses a bad one before Ansible runs, not on each node."""
+    name, sep, url = item.partition("=")
+    if not sep or not name.strip() or not url.startswith(INDEX_URL_SCHEMES):
+        raise UsageError(f"--index {item!r}: expected NAME=https://mirror/simple")
+    return item
 
 
 def sources(args: argparse.Namespace):

@@ -53,25 +53,16 @@ SOURCE_DATE_EPOCH = "1767225600"
 # ------------------------------------------------------------------------------------------------ locating
 
 
-def _shipped_ansible() -> Path | None:
-    """The copy of ansible/ installed with the wheel (package `bwstack_ansible`)."""
-    try:
-        import bwstack_ansible
-    except ImportError:
-        return None
-    return Path(bwstack_ansible.__path__[0])
-
-
 def ansible_dir() -> Path:
-    """The ansible/ directory: $BWSTACK_ANSIBLE_DIR, the checkout's, or a copy shipped in the package."""
-    candidates = [os.environ.get("BWSTACK_ANSIBLE_DIR"), paths.in_checkout("ansible"), _shipped_ansible()]
-    for candidate in candidates:
-        if candidate and (Path(candidate) / "provision.yml").is_file():
-            return Path(candidate)
-    raise UsageError(
-        "the bwstack playbooks (ansible/provision.yml) are not installed with this bwstack: run it from a "
-        "checkout, or set BWSTACK_ANSIBLE_DIR to the repository's ansible/ directory"
-    )
+    """The ansible/ directory: $BWSTACK_ANSIBLE_DIR (refused, not passed over, when it holds no playbooks), the
+    checkout's, or the copy installed with the wheel (package `bwstack_ansible`)."""
+    found = paths.shipped("ansible", "bwstack_ansible", "provision.yml", env="BWSTACK_ANSIBLE_DIR")
+    if found is None:
+        raise UsageError(
+            "the bwstack playbooks (ansible/provision.yml) are not installed with this bwstack: run it from a "
+            "checkout, or set BWSTACK_ANSIBLE_DIR to the repository's ansible/ directory"
+        )
+    return found
 
 
 def ansible_playbook() -> str:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from bwstack.cli import options
 from bwstack.cli.console import Console
+from bwstack.errors import UsageError
 
 NAME = "env"
 HELP = "low-level env operations"
@@ -18,7 +20,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     options.add_sources(install, python=True)
     install.add_argument("--requirements", type=options.existing_file, required=True)
     install.add_argument("--into", required=True, type=options.plain_path)
-    install.add_argument("--python-version", default="3.12")
+    install.add_argument("--python-version", type=options.python_version, default="3.12")
     install.add_argument("--glibc", type=int, default=28, help="manylinux_2_N of the target (default 28)")
     install.add_argument(
         "--store",
@@ -33,11 +35,12 @@ def run(args: argparse.Namespace) -> int:
     from bwstack.lock import requirements
     from bwstack.lock.tags import Target, select
     from bwstack.provision import envbuild
-    from bwstack.provision.wheelhouse import Fetcher, Sources
+    from bwstack.provision.wheelhouse import Fetcher
     from bwstack.store.layout import Layout, check_cache, check_private_folder
 
     options.apply_ca_bundle(args)
-    env = Path(args.into)
+    env = _env_folder(args.into)
+    sources = options.sources(args)
     packages = requirements.parse(Path(args.requirements))
     target = Target(python=args.python_version, glibc_minor=args.glibc)
     # The wheels become the env's files and uv's cache its unpacked copies: folders others could write are
@@ -51,11 +54,21 @@ def run(args: argparse.Namespace) -> int:
         store = layout.wheel_store
     if args.uv_cache:
         check_private_folder(Path(args.uv_cache), "the uv cache", "--uv-cache")
-    # No --index here: a build step gets its wheels from the build's server (a wheelhouse) or the lock's URLs.
-    fetcher = Fetcher(store, Sources.parse(args.wheelhouse or (), (), args.offline), args.allow_unhashed or ())
+    # A build step gets its wheels from the build's server (a wheelhouse) or the lock's URLs; --index (and
+    # BWSTACK_INDEX) mirrors are used as `fetch` and `cuda install` use them, never taken and ignored.
+    fetcher = Fetcher(store, sources, args.allow_unhashed or ())
     wheels = fetcher.fetch_all(select(packages, target))
     if not (env / "bin" / "python").exists():
         envbuild.create_venv(env, envbuild.find_python(args.python_version, args.python))
     envbuild.install(env, wheels, link_mode=args.link_mode, cache_dir=Path(args.uv_cache) if args.uv_cache else None)
     Console().text(f"installed {len(wheels)} packages into {env}")
     return 0
+
+
+def _env_folder(into: str) -> Path:
+    """--into: an env folder, or where one is to be made. Anything else there is refused before a wheel is
+    fetched (uv would say so only after the downloads, in several lines)."""
+    env = Path(into)
+    if os.path.lexists(env) and not env.is_dir():
+        raise UsageError(f"--into {into}: exists and is not a directory (give an env folder or a new path)")
+    return env

@@ -28,8 +28,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="accept CPU-only targets (containers, CI); said loudly in the output",
     )
-    p.add_argument(
-        "--min-free-gb", type=float, help="free disk the preflight requires at the store for a build (default 25)"
+    options.add_min_free_gb(
+        p, default=None, help="free disk the preflight requires at the store for a build (default 25)"
     )
     p.add_argument(
         "--full",
