@@ -103,6 +103,16 @@ def test_rollback_returns_to_the_previous_generation_which_reports_its_recorded_
     assert (facts["torch"], facts["cuda"]) == ("2.9.1", "12.8")
 
 
+def test_rollback_says_it_left_a_real_file_at_the_cuda_link_as_it_was(stack):
+    stack.build("fixture-old", check=True)
+    stack.build("fixture-new", check=True)
+    stack.cuda_link.unlink()
+    stack.cuda_link.write_text("someone else's\n")
+    payload = json.loads(stack.run("rollback", "--json", check=True).stdout)
+    assert payload["note"].startswith(f"{stack.cuda_link} is a real file (not managed by bwstack), left untouched")
+    assert stack.cuda_link.read_text() == "someone else's\n"
+
+
 def test_rollback_with_nothing_to_go_back_to_says_so_and_changes_nothing(stack):
     stack.build("fixture-new", check=True)
     before = os.readlink(stack.root / "current")

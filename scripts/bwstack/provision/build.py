@@ -319,7 +319,7 @@ def rollback(
         if active is not None and active.name == target.name:
             return {"changed": False, "generation": target.name, "note": "already active"}
         switch = store.switch(target, depth=opts.verify_depth, why="rollback")
-        return {
+        result = {
             "changed": True,
             "from": active.name if active else None,
             "generation": target.name,
@@ -327,6 +327,10 @@ def rollback(
             "switch": switch,
             "seconds": time.perf_counter() - started,
         }
+        note = store.cuda_link_note()  # as a build says it: the toolkit link the switch left alone
+        if note:
+            result["note"] = note
+        return result
 
 
 def rollback_target(

@@ -576,9 +576,10 @@ class Store:
     def cuda_link_note(self) -> str | None:
         link = self.layout.cuda_link
         if link is not None and link.exists() and not link.is_symlink():
+            kind = "directory" if link.is_dir() else "file"
             return (
-                f"{link} is a real directory (not managed by bwstack), left untouched: processes use the "
-                f"generation's toolkit through CUDA_HOME (set by the env itself)"
+                f"{link} is a real {kind} (not managed by bwstack), left untouched: processes use the generation's "
+                f"toolkit through CUDA_HOME (set by the env itself)"
             )
         return None
 
