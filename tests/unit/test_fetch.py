@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import bwstack
 
 
 class Listener:
@@ -314,3 +315,9 @@ def test_a_wheel_without_a_hash_is_never_read_through_a_link_in_a_wheelhouse(tmp
     wheel = SimpleNamespace(file="x-1.0-py3-none-any.whl", sha256=None)
     with pytest.raises(BwstackError, match="is a link; the lock has no hash for this wheel"):
         hash_local_wheel(pkg, wheel, house / wheel.file, str(house))
+
+
+def test_fetch_takes_no_python_option_since_it_makes_no_env():
+    """An accepted option is one that does something: fetch only downloads."""
+    result = bwstack("fetch", "--dest", "/tmp/bwstack-fetch-never-made", "--python", "/usr/bin/python3")
+    assert result.returncode == 2 and "unrecognized arguments: --python" in result.stderr

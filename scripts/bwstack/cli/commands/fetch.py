@@ -14,7 +14,7 @@ HELP = "download a profile's wheels (hash-checked) into a directory"
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    options.add_sources(p, python=True)
+    options.add_sources(p)  # no --python: a fetch makes no env
     options.add_profile(p, help=None)
     p.add_argument("--dest", required=True, type=options.plain_path)
     p.add_argument("--part", choices=["env", "cuda-toolkit", "all"], default="env")
