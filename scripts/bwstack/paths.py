@@ -66,7 +66,7 @@ def setting_dir(variable: str, marker: str) -> Path | None:
         raise UsageError(f"{variable}={value}: not a directory (give one, or unset it to use the default)")
     if not (Path(value) / marker).is_file():
         raise UsageError(f"{variable}={value}: holds no {marker} (is it the right directory?)")
-    return Path(value)
+    return Path(value).absolute()  # a relative one is relative to where bwstack was started, not where it runs Ansible
 
 
 def path_problem(value: str) -> str | None:

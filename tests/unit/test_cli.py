@@ -517,3 +517,14 @@ def test_a_docker_dir_setting_that_holds_the_dockerfile_is_the_one_used(tmp_path
     (tmp_path / "Dockerfile").write_text("FROM scratch\n")
     monkeypatch.setenv("BWSTACK_DOCKER_DIR", str(tmp_path))
     assert paths.shipped("docker", "bwstack_docker", "Dockerfile", env="BWSTACK_DOCKER_DIR") == tmp_path
+
+
+def test_a_relative_dir_setting_is_taken_from_where_bwstack_was_started(tmp_path, monkeypatch):
+    """Ansible runs in the playbooks' folder: a path left relative would be looked up from there."""
+    from bwstack import paths
+
+    (tmp_path / "ans").mkdir()
+    (tmp_path / "ans" / "provision.yml").write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("BWSTACK_ANSIBLE_DIR", "ans")
+    assert paths.setting_dir("BWSTACK_ANSIBLE_DIR", "provision.yml") == tmp_path / "ans"

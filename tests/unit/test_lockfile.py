@@ -784,7 +784,7 @@ def test_a_second_lock_rewrite_of_the_same_file_is_refused_while_the_first_runs(
     finally:
         os.close(held)
     assert result.returncode == 3 and result.stderr.count("\n") == 1, result.stderr
-    assert "another `bwstack lock` is rewriting" in result.stderr
+    assert "another `bwstack lock` rewriting stack.lock.yaml" in result.stderr
     assert path.read_bytes() == REAL_LOCK.read_bytes()
 
 

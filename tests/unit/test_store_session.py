@@ -292,7 +292,7 @@ def test_the_waivers_command_waits_for_no_one_and_changes_nothing_while_another_
 @pytest.mark.parametrize(
     ("args", "says"),
     [(["--check"], "--check: give --set or --clear"),
-     (["--set", "runtime=no check is called this"], "no check's name contains 'runtime'"),
+     (["--set", "runtime=no check is called this"], "--set runtime: no check's name contains 'runtime'"),
      (["--set", "nvcc"], "expected CHECK=REASON")],
     ids=["check-alone", "a-waiver-matching-no-check", "a-waiver-without-its-reason"],
 )  # fmt: skip
@@ -301,3 +301,50 @@ def test_the_waivers_command_refuses_what_would_do_nothing(tmp_path, args, says)
     result = bwstack("waivers", "--root", str(store), *args)
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and says in result.stderr, result.stderr
     assert not (store / "waivers.json").exists()
+
+
+def _a_store_at(place: str):
+    def make(root: Path) -> Path:
+        root.mkdir()
+        return _an_empty_store(root / place)
+
+    return make
+
+
+@pytest.mark.parametrize(
+    "place", ["generations", "generations/node-a", "cache", "cache/node-a"],
+    ids=["a-store-named-generations", "a-store-among-its-generations", "a-store-named-cache", "a-store-in-its-cache"],
+)  # fmt: skip
+def test_a_root_holding_a_store_where_a_store_keeps_its_own_is_refused(tmp_path, place, monkeypatch):
+    """Its prune would remove the inner store as a stray generation; its cache would write into it."""
+    root = tmp_path / "outer"
+    inner = _a_store_at(place)(root)
+    before = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+    monkeypatch.setenv("BWSTACK_CACHE", str(tmp_path / "cache"))
+    result = bwstack("prune", "--keep", "1", "--root", str(root), "--ml-env", str(tmp_path / "env"),
+                     "--cuda-link", "none")  # fmt: skip
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert f"store root {root} holds the store {inner}" in result.stderr
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == before
+
+
+@pytest.mark.parametrize(
+    "cuda_link", ["x/../env", "linked/env", "linked/root/cuda"],
+    ids=["dot-dot-to-the-env-link", "a-linked-folder-to-the-env-link", "a-linked-folder-into-the-store"],
+)  # fmt: skip
+def test_a_store_and_links_that_overlap_through_links_or_dot_dot_are_refused(tmp_path, cuda_link):
+    (tmp_path / "linked").symlink_to(tmp_path)
+    result = bwstack("rollback", "--root", str(tmp_path / "root"), "--ml-env", str(tmp_path / "env"),
+                     "--cuda-link", f"{tmp_path}/{cuda_link}", "--take-over-links")  # fmt: skip
+    assert result.returncode == 2 and "must be three separate places" in result.stderr, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["linked"]
+
+
+def test_the_waivers_command_leaves_the_stores_repairs_to_commands_given_its_links(tmp_path):
+    """--root alone may name the store: finishing an interrupted adoption needs the env link it was adopting."""
+    store = _an_empty_store(tmp_path / "store")
+    debris = store / "generations" / f"{BUILDING_PREFIX}0001-killed"
+    debris.mkdir()
+    result = bwstack("waivers", "--root", str(store), "--set", "nvcc=no toolkit here")
+    assert result.returncode == 0, result.stderr
+    assert debris.is_dir() and (store / "waivers.json").is_file()

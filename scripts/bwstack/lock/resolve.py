@@ -294,7 +294,10 @@ def rewriting(path: str | os.PathLike) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise BusyError(f"another `bwstack lock` is rewriting {path}: run it again when that one ends") from None
+            raise BusyError(
+                f"another process holds {path.parent} locked (another `bwstack lock` rewriting {path.name}?): run it "
+                f"again when that one ends"
+            ) from None
         yield
     finally:
         os.close(fd)

@@ -76,9 +76,9 @@ class Layout:
         """The store, the env link and the CUDA link are three places: a link named inside the store (or the store
         inside a link's path, or both links at one path) would have one of them overwrite what another keeps,
         such as the env link re-pointed at the toolkit."""
-        named = [("--root", self.root), ("--ml-env", self.ml_env)]
+        named = [("--root", _place(self.root)), ("--ml-env", _place(self.ml_env))]
         if self.cuda_link is not None:
-            named.append(("--cuda-link", self.cuda_link))
+            named.append(("--cuda-link", _place(self.cuda_link)))
         for i, (flag, path) in enumerate(named):
             for other_flag, other in named[i + 1 :]:
                 if path == other or path in other.parents or other in path.parents:
@@ -119,6 +119,11 @@ class Layout:
     @property
     def objects(self) -> ObjectStore:
         return ObjectStore(self.cache / "objects")
+
+
+def _place(path: Path) -> Path:
+    """Where `path` is, its folder's links and `..` resolved (not the path itself: a link there is what is named)."""
+    return Path(os.path.realpath(path.parent)) / path.name
 
 
 def is_store(folder: Path) -> bool:

@@ -20,7 +20,7 @@ from bwstack.errors import UsageError
 from bwstack.fsutil import atomic_symlink
 from bwstack.probe import dirfd
 from bwstack.store.generations import Store
-from bwstack.store.layout import Layout, check_cache, check_private_folder, enclosing_store
+from bwstack.store.layout import Layout, check_cache, check_private_folder, enclosing_store, is_store
 from bwstack.store.runlock import NAME as LOCK_NAME
 from bwstack.store.runlock import RunLock
 from bwstack.store.tree import exchange, remove_tree
@@ -61,6 +61,18 @@ def _a_store_entry(name: str) -> bool:
     return passing is not None and (passing["name"] or passing["copied"]) in STORE_NAMES
 
 
+def _store_within(root: Path, entries: list[str]) -> Path | None:
+    """A store at a name the root holds, or in its generations/ or cache/ (names a store uses, so a root holding
+    them passes the check of other files): what this store's prune or cache would take for its own."""
+    places = [root / name for name in entries]
+    for folder in ("generations", "cache"):
+        try:
+            places += [root / folder / name for name in os.listdir(root / folder)]
+        except OSError:
+            continue
+    return next((place for place in places if is_store(place)), None)
+
+
 def check_store_root(layout: Layout) -> None:
     """The store's root is new, empty or a store already: it holds only what bwstack puts in one, and it is the
     running user's alone, as are the folders above it (check_private_folder). Opening a store makes the root
@@ -97,6 +109,12 @@ def check_store_root(layout: Layout) -> None:
         raise UsageError(f"store root {root}: {exc.strerror or exc}") from None
     if entries is None:
         raise UsageError(f"store root {root} is not a directory (a link or a file): name the folder itself (--root)")
+    inner = _store_within(root, entries)
+    if inner is not None:
+        raise UsageError(
+            f"store root {root} holds the store {inner}: its prune would remove that store as a stray generation; "
+            f"name another folder (--root)"
+        )
     others = sorted(name for name in entries if not _a_store_entry(name))
     if others:
         shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")

@@ -25,7 +25,8 @@ def run(args: argparse.Namespace) -> int:
     from bwstack.checks.verify import parse_waivers
     from bwstack.probe import waivers
     from bwstack.store.layout import is_store
-    from bwstack.store.session import open_store
+    from bwstack.store.runlock import RunLock
+    from bwstack.store.session import check_store_root
 
     layout = options.layout(args)
     replace = args.set is not None or args.clear
@@ -38,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     if replace and (layout.root.is_symlink() or not is_store(layout.root)):
         raise UsageError(f"no bwstack store at {layout.root}: provision the node first (or name the store, --root)")
     # The same names verify accepts: a waiver that matches no check would waive nothing.
-    wanted = [] if args.clear else parse_waivers(options.waiver_texts(args.set), "--set") if args.set else None
+    wanted = [] if args.clear else parse_waivers(args.set, "--set") if args.set else None
     try:
         current = waivers.load(layout.root)
     except ValueError as exc:
@@ -48,7 +49,10 @@ def run(args: argparse.Namespace) -> int:
     if wanted is not None:
         changed = current != wanted
         if changed and not args.check:
-            with open_store(layout, log=lambda _line: None):  # its run lock: one change to the store at a time
+            # The store's run lock, one change at a time; not the store's repairs (open_store): --root alone may
+            # name it, and an interrupted adoption is finished by a command given the env link it was adopting.
+            check_store_root(layout)
+            with RunLock(layout.root):
                 try:
                     waivers.save(layout.root, wanted)
                 except OSError as exc:
