@@ -283,7 +283,9 @@ def test_a_corrupted_archive_is_refused_and_nothing_is_switched(stack, tmp_path)
     archive.write_bytes(bytes(data))
     clean = {"BWSTACK_ROOT": str(tmp_path / "r"), "BWSTACK_ML_ENV": str(tmp_path / "m"), "BWSTACK_CUDA_LINK": "none"}
     result = stack.run("restore", str(archive), extra_env=clean)
-    assert result.returncode == 5 and "is not the one in gen.tar.zst.sha256" in result.stderr
+    # A damaged copy is bad input (exit 2), refused in one line before anything of it is written.
+    assert result.returncode == 2 and "is not the one in gen.tar.zst.sha256" in result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
     assert not (tmp_path / "m").exists()
 
 
