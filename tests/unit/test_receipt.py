@@ -171,6 +171,30 @@ def test_no_receipt_is_written_for_a_generation_that_changed_since_it_was_sealed
     assert not (node.root / "provisioned.json").exists()
 
 
+def _another_host(tmp_path: Path) -> dict:
+    """The host as an apt upgrade leaves it, for the fingerprint: another library folder the loader searches."""
+    (tmp_path / "more-libs").mkdir(exist_ok=True)
+    return {"LD_LIBRARY_PATH": str(tmp_path / "more-libs")}
+
+
+def test_a_receipt_is_written_when_the_host_changed_since_the_generation_was_built(node, tmp_path):
+    """After an apt upgrade no receipt could be written against the build's host: every provision run failed."""
+    watch = [f"--watch={p}" for p in node.watched]
+    args = ("receipt", "--write", "--json", "--inputs", INPUTS, *watch)
+    result = node.run(*args, extra_env=_another_host(tmp_path))
+    assert result.returncode == 0, result.stderr
+    check = node.run("receipt", "--check", "--json", "--inputs", INPUTS, *watch, extra_env=_another_host(tmp_path))
+    assert json.loads(check.stdout)["converged"] is True, check.stdout
+
+
+def test_a_host_changed_since_the_last_provision_run_is_not_converged_and_names_it(node, tmp_path):
+    _receipt(node, "--write")
+    watch = [f"--watch={p}" for p in node.watched]
+    check = node.run("receipt", "--check", "--json", "--inputs", INPUTS, *watch, extra_env=_another_host(tmp_path))
+    verdict = json.loads(check.stdout)
+    assert verdict["converged"] is False and "host changed since the last provision run" in verdict["why"]
+
+
 def test_kernel_pseudo_files_are_fingerprinted_by_their_content():
     """/proc files report size 0 and refuse large reads: the receipt reads them in small pieces."""
     from bwstack.provision.receipt import fingerprint

@@ -249,9 +249,13 @@ def observe(layout: Layout, watch: list[str]) -> tuple[dict[str, str], str | Non
     problem = Store(layout, log=lambda _message: None).current_problem()
     target = layout.current.parent / items["current"][2:] if items["current"].startswith("l:") else None
     if problem is None:
-        problem = "no active generation" if target is None else sealed.unchanged_generation(target / "env")
+        # The generation's tree as sealed; the host is compared with the last provision run's (below), not with
+        # the one the generation was built on: after an apt upgrade since the build, no receipt could ever be
+        # written again, and every provision run failed at its end (the verify before it reads the facts again).
+        problem = "no active generation" if target is None else sealed.unchanged_generation(target / "env", host=False)
     if target is not None and problem is None:
         items["generation"] = ":".join(sealed.tree_stamp(target / "env"))
+        items["host"] = sealed.host_fingerprint(target / "env")
     items.update(interpreters(target / "env" if target is not None and problem is None else None))
     for path in sorted(set(watch)):
         items[path] = fingerprint(path)
