@@ -321,3 +321,12 @@ def test_fetch_takes_no_python_option_since_it_makes_no_env():
     """An accepted option is one that does something: fetch only downloads."""
     result = bwstack("fetch", "--dest", "/tmp/bwstack-fetch-never-made", "--python", "/usr/bin/python3")
     assert result.returncode == 2 and "unrecognized arguments: --python" in result.stderr
+
+
+def test_the_nodes_refuse_a_mirror_without_an_index_name_as_the_controller_does():
+    """One rule for NAME=URL (wheelhouse.parse_mirror): a mirror for no index would be taken and never used."""
+    from bwstack.errors import UsageError
+    from bwstack.provision.wheelhouse import Sources
+
+    with pytest.raises(UsageError, match="expected NAME=https://mirror/simple"):
+        Sources.parse(mirrors=["=https://mirror.example/simple"])

@@ -289,7 +289,6 @@ def add_extra_vars(p: Container) -> None:
 
 
 INDEX_VARIABLE = "BWSTACK_INDEX"  # NAME=URL mirrors, one a line: credentials kept out of the process table
-INDEX_URL_SCHEMES = ("https://", "file://")
 
 
 def index_mirrors(args: argparse.Namespace) -> tuple[str, ...]:
@@ -302,11 +301,11 @@ def index_mirrors(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def index_mirror(item: str) -> str:
-    """One NAME=URL mirror, by the rule Sources.parse applies on the nodes, checked where every command reads the
-    mirrors: a command that hands them to a playbook refuses a bad one before Ansible runs, not on each node."""
-    name, sep, url = item.partition("=")
-    if not sep or not name.strip() or not url.startswith(INDEX_URL_SCHEMES):
-        raise UsageError(f"--index {item!r}: expected NAME=https://mirror/simple")
+    """One NAME=URL mirror, checked where every command reads the mirrors (wheelhouse.parse_mirror, the rule the
+    nodes apply): a command that hands them to a playbook refuses a bad one before Ansible runs."""
+    from bwstack.provision.wheelhouse import parse_mirror
+
+    parse_mirror(item)
     return item
 
 

@@ -70,12 +70,7 @@ class Sources:
 
     @classmethod
     def parse(cls, wheelhouses: Iterable[str] = (), mirrors: Iterable[str] = (), offline: bool = False) -> Sources:
-        parsed: dict[str, str] = {}
-        for item in mirrors:
-            name, sep, url = item.partition("=")
-            if not sep or not url.startswith(("https://", "file://")):
-                raise UsageError(f"--index {item!r}: expected NAME=https://mirror/simple")
-            parsed[name] = url
+        parsed = dict(parse_mirror(item) for item in mirrors)
         houses = []
         for item in wheelhouses:
             path = Path(item)
@@ -83,6 +78,15 @@ class Sources:
                 raise UsageError(f"--wheelhouse {item}: not a directory")
             houses.append(path)
         return cls(houses, parsed, offline)
+
+
+def parse_mirror(item: str) -> tuple[str, str]:
+    """One `--index` (or BWSTACK_INDEX line) NAME=URL: the lock's index NAME and the https:// or file:// mirror
+    for it. The one rule, applied on the controller before a playbook runs and on the nodes."""
+    name, sep, url = item.partition("=")
+    if not sep or not name.strip() or not url.startswith(("https://", "file://")):
+        raise UsageError(f"--index {item!r}: expected NAME=https://mirror/simple")
+    return name, url
 
 
 def _store_path(store: Path, sha256: str, file: str) -> Path:

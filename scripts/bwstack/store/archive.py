@@ -115,16 +115,16 @@ def write_archive(store: Store, gen: Generation, path: Path, level: int = 3) -> 
     path = Path(path).absolute()
     if path.is_dir():
         raise UsageError(f"--archive {path}: a directory; name the archive file to write")
-    store_root = os.path.realpath(store.layout.root)
-    if os.path.commonpath([os.path.realpath(path.parent), store_root]) == store_root:
+    # In any store, this one too: a store keeps only its own files (its prune removes the others).
+    inside = enclosing_store(path.parent)
+    if inside is not None and inside == Path(os.path.realpath(store.layout.root)):
         raise UsageError(
             f"--archive {path}: inside the store {store.layout.root}, which keeps only its own files (and an archive "
             f"is the copy that outlives the store): write it to another disk or a NAS share"
         )
-    other = enclosing_store(path.parent)
-    if other is not None:
+    if inside is not None:
         raise UsageError(
-            f"--archive {path}: inside the store {other}, which keeps only its own files (its prune would remove the "
+            f"--archive {path}: inside the store {inside}, which keeps only its own files (its prune would remove the "
             f"archive): write it outside every store"
         )
     started = time.perf_counter()
