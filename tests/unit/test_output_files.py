@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from helpers import REAL_LOCK, bwstack, needs_py312
 
 
@@ -35,3 +36,12 @@ def test_verify_facts_dir_replaces_a_link_at_a_hosts_name_instead_of_writing_thr
     stack.run("verify", "--no-runtime", "--facts-dir", str(out))
     assert victim.read_text() == "not bwstack's\n"
     assert not (out / "local.json").is_symlink() and (out / "local.json").read_text().startswith("{")
+
+
+@pytest.mark.parametrize(
+    "where", ["/proc/bwstack-facts", "/etc/hostname/facts"], ids=["cannot-be-made", "under-a-file"]
+)
+def test_a_facts_dir_that_cannot_be_made_is_refused_in_one_line_before_any_check(where):
+    result = bwstack("verify", "--no-runtime", "--facts-dir", where)
+    assert result.returncode == 2 and result.stdout == "" and result.stderr.count("\n") == 1, result.stderr
+    assert f"--facts-dir {where}: cannot be made" in result.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from bwstack.cli import options
 from bwstack.cli.console import Console
@@ -46,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
         checks = verify.known_checks()
         console.result(list(checks), "\n".join(checks))
         return 0
+    if args.facts_dir:
+        _make_facts_dir(Path(args.facts_dir))
     targets = hostspec.parse(args.target, frozenset(hostspec.Scheme))
     ssh = options.ssh_options(args)
     if args.host_name is not None:
@@ -71,3 +74,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         console.text(verify.render(reports))
     return 0 if verify.ok(reports) else 1
+
+
+def _make_facts_dir(folder: Path) -> None:
+    """--facts-dir made before any host is checked: one that cannot be was an error in every check of every host."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--facts-dir {folder}: cannot be made ({exc.strerror or exc})") from None
