@@ -299,7 +299,8 @@ def do_status(r: Runner) -> dict:
 def do_cuda(r: Runner) -> dict:
     p = r.p
     prefix = ["--prefix", p["prefix"]] if p["prefix"] else []
-    rc, status, _ = r.run("cuda", "status", *_profile_args(p), *prefix, *_store_args(p), "--json", ok_codes=(0, 1))
+    # status reads the toolkit folder only: the store options are for the install (`bwstack cuda` refuses them here)
+    rc, status, _ = r.run("cuda", "status", *_profile_args(p), *prefix, "--json", ok_codes=(0, 1))
     before = f"{status.get('home')}: CUDA {status.get('version') or 'absent'} ({status.get('managed_by')})\n"
     if rc == 0 and not status.get("matches") and status.get("managed_by") != "bwstack-pip":
         r.module.fail_json(

@@ -528,3 +528,59 @@ def test_a_relative_dir_setting_is_taken_from_where_bwstack_was_started(tmp_path
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("BWSTACK_ANSIBLE_DIR", "ans")
     assert paths.setting_dir("BWSTACK_ANSIBLE_DIR", "provision.yml") == tmp_path / "ans"
+
+
+# An option given where its command does not read it would act as nothing: refused in one line instead, before
+# any work (the paths below do not exist, so a command that got past its options would fail differently).
+UNREAD_CASES = [
+    (["verify", "--list-checks", "--skip", "cuda_runtime=no GPU"], "--skip is not read with --list-checks"),
+    (["serve-plan", "--list-models", "--tp", "2"], "--tp is not read with --list-models"),
+    (["serve-plan", "--list-models", "--model", "llama"], "--model is not read with --list-models"),
+    (["accept", "--machine", "/nonexistent/rec", "--env", "/nonexistent/env"], "--env is not read with --machine"),
+    (["accept", "--machine", "/nonexistent/rec", "--timeout", "5"], "--timeout is not read with --machine"),
+    (["cuda", "status", "--offline"], "--offline is not read with status"),
+    (["cuda", "status", "--root", "/nonexistent/root"], "--root is not read with status"),
+    (["generations", "--verify", "full"], "--verify is read only with --check: add --check or leave --verify out"),
+    (["plan", "--env", "/nonexistent/env", "--root", "/nonexistent/root"], "--root is not read with --env"),
+    (["preflight", "--take-over-links"], "unrecognized arguments: --take-over-links"),
+    (["preflight", "--verify", "full"], "unrecognized arguments: --verify full"),
+    (["waivers", "--take-over-links"], "unrecognized arguments: --take-over-links"),
+    (["restore", "/nonexistent/a.tar", "--verify", "full"], "unrecognized arguments: --verify full"),
+]
+
+
+@pytest.mark.parametrize(("argv", "says"), UNREAD_CASES, ids=[" ".join(a[:3]) for a, _ in UNREAD_CASES])
+def test_an_option_its_command_would_not_read_is_refused_in_one_line(tmp_path, argv, says):
+    result = bwstack("--lock", str(REAL_LOCK), *argv, env={"BWSTACK_ROOT": str(tmp_path / "store")})
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert says in result.stderr and result.stderr.count("\n") == 1, result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+ACTING_CASES = [
+    ["verify", "--list-checks", "--json"],
+    ["accept", "--machine", "/nonexistent/rec", "--no-runtime"],  # says what --machine does anyway
+    ["generations", "--check", "--verify", "full"],
+]
+
+
+@pytest.mark.parametrize("argv", ACTING_CASES, ids=[" ".join(a[:3]) for a in ACTING_CASES])
+def test_options_that_act_in_the_mode_are_not_refused(tmp_path, argv):
+    result = bwstack("--lock", str(REAL_LOCK), *argv, env={"BWSTACK_ROOT": str(tmp_path / "store")})
+    assert "is not read with" not in result.stderr and "is read only with" not in result.stderr, result.stderr
+
+
+def test_every_unread_rule_names_options_its_command_has():
+    """A rule naming an option the command lacks would never fire: a check that cannot fail."""
+    from bwstack.cli.commands import modules
+    from bwstack.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    ruled = 0
+    for command in modules():
+        dests = {a.dest for a in sub.choices[command.NAME]._actions}
+        for rule in getattr(command, "UNREAD", ()):
+            named = {rule.mode.partition("=")[0], *(rule.reads or ()), *rule.ignores}
+            assert named <= dests, (command.NAME, named - dests)
+            ruled += 1
+    assert ruled >= 6

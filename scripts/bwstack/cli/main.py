@@ -38,7 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
         extra = {"description": command.DESCRIPTION} if hasattr(command, "DESCRIPTION") else {}
         p = sub.add_parser(command.NAME, help=command.HELP, **extra)
         command.add_options(p)
-        p.set_defaults(func=command.run, own_empty_checks=getattr(command, "OWN_EMPTY_CHECKS", ()))
+        p.set_defaults(
+            func=command.run,
+            own_empty_checks=getattr(command, "OWN_EMPTY_CHECKS", ()),
+            unread=getattr(command, "UNREAD", ()),
+        )
     return parser
 
 
@@ -51,6 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.lock.strip():
             raise UsageError("--lock (or BWSTACK_LOCK) is empty: give a lock file")
         options.reject_empty(parser, args)
+        options.refuse_unread(parser, args)
         bwstack.end_start_up()
         return int(args.func(args))
     except BwstackError as exc:

@@ -16,6 +16,7 @@ import argparse
 import os
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from bwstack import paths
@@ -140,6 +141,51 @@ def _option_names(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     return names
 
 
+@dataclass(frozen=True)
+class Unread:
+    """Options a command does not read in one of its modes (a command module's UNREAD). Given there, they are
+    refused rather than ignored: whoever gives one expects it to act.
+
+    `mode` is the option (its dest) whose being given selects the mode, or DEST=VALUE for a positional's value.
+    In the mode, the command reads only `reads` of its own options when that is given, else all but `ignores`.
+    `absent`: the mode is the option's absence instead (`--verify full` acts only with `--check`)."""
+
+    mode: str
+    reads: tuple[str, ...] | None = None
+    ignores: tuple[str, ...] = ()
+    absent: bool = False
+
+
+def refuse_unread(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """An option given in a mode of its command that does not read it is one line and exit 2. "Given" is a
+    value other than the option's default: argparse keeps no other record of it."""
+    rules: tuple[Unread, ...] = getattr(args, "unread", ())
+    if not rules:
+        return
+    actions = [a for a in _subparser(parser, args.command)._actions if a.dest != "help"]
+    shown = {a.dest: max(a.option_strings, key=len) if a.option_strings else a.dest for a in actions}
+    given = [a.dest for a in actions if getattr(args, a.dest, a.default) != a.default]
+    for rule in rules:
+        dest, _, value = rule.mode.partition("=")
+        selected = getattr(args, dest, None) == value if value else dest in given
+        if selected == rule.absent:
+            continue
+        mode = value or shown[dest]
+        for other in given:
+            if other == dest or (other in rule.reads if rule.reads is not None else other not in rule.ignores):
+                continue
+            if rule.absent:
+                raise UsageError(f"{shown[other]} is read only with {mode}: add {mode} or leave {shown[other]} out")
+            raise UsageError(f"{shown[other]} is not read with {mode}: leave it out")
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[name]
+    raise LookupError(name)
+
+
 # ------------------------------------------------------------------------------------------------ option groups
 
 Container = argparse.ArgumentParser | argparse._ActionsContainer
@@ -184,20 +230,23 @@ def add_store(p: Container, *, cuda_link: bool = True, hidden: bool = False, on_
         p.add_argument("--cuda-link", type=plain_path, help=argparse.SUPPRESS if hidden else CUDA_LINK_HELP)
 
 
-def add_node(p: Container) -> None:
-    """The options of commands that work on this node's store: its location, --json, --take-over-links and
-    the manifest check's depth."""
+def add_node(p: Container, *, take_over_links: bool, verify: bool) -> None:
+    """The options of commands that work on this node's store: its location and --json; --take-over-links for
+    those that point links, --verify for those that check a generation against its manifest (a command never
+    takes an option it does not read)."""
     add_store(p)
     add_json(p)
-    p.add_argument(
-        "--take-over-links",
-        action="store_true",
-        help="let this store re-point an ml-env or CUDA link that another store or somebody else made",
-    )
-    p.add_argument(
-        "--verify", choices=["quick", "full"], default="quick",
-        help="manifest check before switching: quick (inode/size/mtime, re-hash what moved) or full (every byte)",
-    )  # fmt: skip
+    if take_over_links:
+        p.add_argument(
+            "--take-over-links",
+            action="store_true",
+            help="let this store re-point an ml-env or CUDA link that another store or somebody else made",
+        )
+    if verify:
+        p.add_argument(
+            "--verify", choices=["quick", "full"], default="quick",
+            help="manifest check: quick (inode/size/mtime, re-hash what moved) or full (every byte)",
+        )  # fmt: skip
 
 
 def add_sources(

@@ -12,7 +12,7 @@ HELP = "turn a hand-made env at --ml-env into a generation"
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    options.add_node(p)
+    options.add_node(p, take_over_links=True, verify=False)
 
 
 def run(args: argparse.Namespace) -> int:

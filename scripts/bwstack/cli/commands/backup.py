@@ -14,7 +14,7 @@ HELP = "capture the active env as a verified generation"
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    options.add_node(p)
+    options.add_node(p, take_over_links=False, verify=True)
     p.add_argument(
         "--archive", type=options.plain_path, help="also write an off-node archive (tar + zstd, with .sha256)"
     )

@@ -12,7 +12,7 @@ HELP = "back up, build the profile's generation, switch"
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    options.add_node(p)
+    options.add_node(p, take_over_links=True, verify=True)
     options.add_sources(p, python=True)
     options.add_profile(p, help=None)
     p.add_argument("--no-switch", action="store_true", help="build and commit, but leave the active env")

@@ -10,10 +10,11 @@ from bwstack.cli.console import Console
 
 NAME = "cuda"
 HELP = "the profile's CUDA toolkit: status, or install (pip)"
+UNREAD = (options.Unread("action=status", reads=("profile", "prefix", "json")),)  # status reads the toolkit only
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    options.add_node(p)
+    options.add_node(p, take_over_links=False, verify=False)
     options.add_sources(p, python=True)
     p.add_argument("action", choices=["status", "install"])
     options.add_profile(p, help=None)

@@ -12,10 +12,11 @@ from bwstack.cli.console import Console
 
 NAME = "generations"
 HELP = "list generations"
+UNREAD = (options.Unread("check", absent=True, ignores=("verify",)),)  # listing checks quickly
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    options.add_node(p)
+    options.add_node(p, take_over_links=False, verify=True)
     p.add_argument("--check", action="store_true", help="also verify each against its manifest")
 
 

@@ -10,6 +10,7 @@ from bwstack.cli.console import Console
 
 NAME = "plan"
 HELP = "what provisioning would change in an env (missing, extra, version, hash)"
+UNREAD = (options.Unread("env", ignores=("root", "ml_env")),)  # they only find the env
 
 
 def add_options(p: argparse.ArgumentParser) -> None:

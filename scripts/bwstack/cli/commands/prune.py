@@ -12,7 +12,7 @@ HELP = "remove old generations (never the active or last verified)"
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    options.add_node(p)
+    options.add_node(p, take_over_links=False, verify=False)
     p.add_argument("--keep", type=options.positive_int, required=True)
 
 

@@ -13,7 +13,7 @@ HELP = "bring an archived generation back and switch to it"
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    options.add_node(p)
+    options.add_node(p, take_over_links=True, verify=False)
     p.add_argument("archive")
     p.add_argument(
         "--sha256",

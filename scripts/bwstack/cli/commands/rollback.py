@@ -20,7 +20,7 @@ TARGET_HELP = (
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    options.add_node(p)
+    options.add_node(p, take_over_links=True, verify=True)
     options.add_sources(p, python=True)
     group = p.add_mutually_exclusive_group()
     group.add_argument("--to", help="generation id or name")

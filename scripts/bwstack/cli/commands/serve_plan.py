@@ -16,6 +16,7 @@ DESCRIPTION = (
     "Exit status: 0 when every chosen path has kernels for the GPU, 1 when one does not (the "
     "suggested flags are printed) or no plan could be made, 2 for bad input."
 )
+UNREAD = (options.Unread("list_models", reads=("json",)),)  # it only lists the configs
 
 
 def add_options(p: argparse.ArgumentParser) -> None:

@@ -11,6 +11,7 @@ from bwstack.errors import UsageError
 
 NAME = "verify"
 HELP = "run the node checks (ABI, CUDA, SM120 kernels, features, GPU) on hosts"
+UNREAD = (options.Unread("list_checks", reads=("json",)),)  # it only names the checks
 
 TARGET_HELP = (
     "local:// (default), ssh://[user@]host[:port][,...], ansible://INVENTORY[?limit=...&group=...] "
