@@ -30,7 +30,10 @@ class ArchiveRefusedError(UsageError):
 
 
 class HashMismatchError(BwstackError):
-    """A downloaded artifact is not the one the lock names."""
+    """A wheel (downloaded, in a wheelhouse or in the store) is not the one the lock names: bad input, as a
+    hostile archive is, so exit 2; nothing of it was kept."""
+
+    exit_code = 2
 
 
 class BusyError(BwstackError):

@@ -563,7 +563,7 @@ def test_a_bad_wheel_in_the_wheelhouse_is_refused_by_its_path_before_docker_is_a
     result = bwstack("--lock", str(CI_LOCK), "image", "build", "--wheelhouse", str(house), "--offline",
                      "--base-image", "no-such/base:1", "--store", str(tmp_path / "store"),
                      env=env, timeout=120)  # fmt: skip
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert f"{wheel.file} from {house / wheel.file} has sha256 " in result.stderr and "refused" in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["wheelhouse"], "nothing made, not even a store"

@@ -46,7 +46,7 @@ def test_a_wheel_whose_hash_differs_from_the_lock_is_refused_naming_the_package(
         data = wheel.read_bytes()
         (tampered / wheel.name).write_bytes(data + (b"\0" if wheel.name.startswith("torch-2.9.1+cu130") else b""))
     result = stack.run("build", "--profile", "fixture-new", "--wheelhouse", str(tampered))
-    assert result.returncode == 1
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr  # bad input: one line, exit 2
     assert "torch 2.9.1+cu130" in result.stderr and "refused" in result.stderr
     assert os.readlink(stack.root / "current") == before, "the active env is untouched"
     assert [g.profile for g in _store(stack).generations()] == ["fixture-old"]
