@@ -584,3 +584,12 @@ def test_every_unread_rule_names_options_its_command_has():
             assert named <= dests, (command.NAME, named - dests)
             ruled += 1
     assert ruled >= 6
+
+
+def test_an_empty_value_is_named_as_its_own_command_spells_the_option(tmp_path):
+    """backup's --archive and restore's positional ARCHIVE share a dest: the message named restore's."""
+    result = bwstack("backup", "--root", str(tmp_path / "store"), "--archive", "")
+    assert result.returncode == 2 and result.stderr == (
+        "bwstack: error: --archive is empty: give a value or leave the option out\n"
+    )
+    assert list(tmp_path.iterdir()) == []

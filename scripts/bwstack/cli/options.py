@@ -129,15 +129,15 @@ def reject_empty(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
 
 
 def _option_names(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, str]:
+    """How the user wrote each option of this command line: its long name (the command's own options, then the
+    top-level ones). Another command's option of the same dest (restore's positional `archive`, backup's
+    `--archive`) never lends its name."""
     names: dict[str, str] = {}
-    stack = [parser]
-    while stack:
-        current = stack.pop()
+    command = getattr(args, "command", None)
+    for current in ([_subparser(parser, command)] if command else []) + [parser]:
         for action in current._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                stack.extend(action.choices.values())
-            elif action.dest not in names:
-                names[action.dest] = action.option_strings[-1] if action.option_strings else action.dest
+            if action.dest not in names and not isinstance(action, argparse._SubParsersAction):
+                names[action.dest] = max(action.option_strings, key=len) if action.option_strings else action.dest
     return names
 
 
@@ -163,7 +163,7 @@ def refuse_unread(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if not rules:
         return
     actions = [a for a in _subparser(parser, args.command)._actions if a.dest != "help"]
-    shown = {a.dest: max(a.option_strings, key=len) if a.option_strings else a.dest for a in actions}
+    shown = _option_names(parser, args)
     given = [a.dest for a in actions if getattr(args, a.dest, a.default) != a.default]
     for rule in rules:
         dest, _, value = rule.mode.partition("=")
