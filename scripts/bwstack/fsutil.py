@@ -40,6 +40,21 @@ def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o644, owner: tuple[
     fsync_dir(path.parent)
 
 
+def new_file_mode() -> int:
+    """The mode a new file of the user's gets: 0666 less this process's umask, as `open` would give it (for files
+    written where the user points, not the store's own). Read from /proc, since setting the umask to read it
+    would change it for every thread."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as status:
+            umask = next((int(line.split()[1], 8) for line in status if line.startswith("Umask:")), None)
+    except (OSError, ValueError, IndexError):
+        umask = None
+    if umask is None:
+        umask = os.umask(0o022)
+        os.umask(umask)
+    return 0o666 & ~umask
+
+
 def atomic_write_text(path: Path, text: str, mode: int = 0o644) -> None:
     atomic_write_bytes(path, text.encode("utf-8"), mode)
 

@@ -16,7 +16,7 @@ import pytest
 from bwstack.checks.session import session_lock
 from bwstack.checks.verify import HostUnavailable
 from bwstack.fleet import probe_bundle
-from bwstack.fsutil import atomic_write_text
+from bwstack.fsutil import atomic_write_text, new_file_mode
 from bwstack.lock.model import Lock, Profile
 from bwstack.probe import schema, waivers
 from bwstack.probe.generation import GenerationFacts
@@ -271,7 +271,9 @@ def facts(host, request: pytest.FixtureRequest, lock: Lock) -> dict:
             if out:
                 Path(out).mkdir(parents=True, exist_ok=True)
                 # A new file put in place: a link already at that name is replaced, not written through (as root).
-                atomic_write_text(Path(out) / f"{key.replace('/', '_')}.json", json.dumps(_FACTS[key], indent=1))
+                atomic_write_text(
+                    Path(out) / f"{key.replace('/', '_')}.json", json.dumps(_FACTS[key], indent=1), new_file_mode()
+                )
     got = _FACTS[key]
     if isinstance(got, HostUnavailable):
         raise got

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import stat
 import tempfile
 import zipfile
 from collections.abc import Iterable, Iterator, Mapping
@@ -25,7 +26,7 @@ import yaml
 from packaging.utils import canonicalize_name
 
 from bwstack.errors import BusyError, BwstackError, UsageError
-from bwstack.fsutil import atomic_write_text
+from bwstack.fsutil import atomic_write_text, new_file_mode
 from bwstack.lock import pypi
 from bwstack.lock.model import GENERATED_MARKER, HASH_SOURCE_PYPI, Lock, LockedPackage, Profile, Wheel
 from bwstack.lock.tags import Target, applicable_requirements, requested_extras
@@ -304,4 +305,9 @@ def rewriting(path: str | os.PathLike) -> Iterator[None]:
 
 
 def write_lock(path: str | os.PathLike, text: str) -> None:
-    atomic_write_text(Path(path), text)
+    """The lock rewritten in place keeps its mode (a group-writable checkout stays so); a new one gets the umask's."""
+    try:
+        mode = stat.S_IMODE(os.lstat(path).st_mode) & 0o777
+    except FileNotFoundError:
+        mode = new_file_mode()
+    atomic_write_text(Path(path), text, mode)

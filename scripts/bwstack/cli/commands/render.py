@@ -7,7 +7,7 @@ from pathlib import Path
 
 from bwstack.cli import options
 from bwstack.cli.console import Console
-from bwstack.fsutil import atomic_write_text
+from bwstack.fsutil import atomic_write_text, new_file_mode
 
 NAME = "render"
 HELP = "hash-pinned requirements of a profile (stdout), or per Docker layer"
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
             path = out / f"{i:02d}-{layer}.txt"
             # A new file put in place: a link already at that name (in a folder others can write) is replaced,
             # not written through.
-            atomic_write_text(path, text)
+            atomic_write_text(path, text, new_file_mode())
             written.append(str(path))
         console.text("\n".join(written))
         return 0
