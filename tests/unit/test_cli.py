@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -436,7 +438,7 @@ def test_env_install_into_something_that_is_not_a_folder_is_refused_before_the_f
 )
 def test_fetch_and_env_install_refuse_the_same_bad_index_with_the_same_line(tmp_path, command, mirror):
     if command == "fetch":
-        result = bwstack("fetch", "--dest", str(tmp_path / "dest"), "--offline", "--index", mirror)
+        result = bwstack("fetch", "--dest", str(tmp_path / "dest"), "--index", mirror)  # refused before any download
     else:
         result = _env_install(tmp_path, "--index", mirror)
     assert result.returncode == 2
@@ -546,6 +548,22 @@ UNREAD_CASES = [
     (["preflight", "--verify", "full"], "unrecognized arguments: --verify full"),
     (["waivers", "--take-over-links"], "unrecognized arguments: --take-over-links"),
     (["restore", "/nonexistent/a.tar", "--verify", "full"], "unrecognized arguments: --verify full"),
+    (["accept", "--no-runtime", "--env", "/nonexistent/env"], "--env is not read with --no-runtime"),
+    (
+        ["fetch", "--dest", "/nonexistent/d", "--offline", "--index", "pypi=https://127.0.0.1:1/simple"],
+        "--index is not read with --offline",
+    ),
+    (
+        ["cuda", "install", "--offline", "--index", "pypi=https://127.0.0.1:1/simple"],
+        "--index is not read with --offline",
+    ),
+    (["patch", "status", "--env", "/nonexistent/env", "--root", "/nonexistent/root"], "--root is not read with --env"),
+    (
+        ["patch", "status", "--patch", "sglang-sm120-symm-mem", "--profile", "cu128"],
+        "--profile is not read with --patch",
+    ),
+    (["features", "--env", "/nonexistent/env", "--ml-env", "/nonexistent/m"], "--ml-env is not read with --env"),
+    (["serve-plan", "--env", "/nonexistent/env", "--root", "/nonexistent/root"], "--root is not read with --env"),
 ]
 
 
@@ -579,11 +597,15 @@ def test_every_unread_rule_names_options_its_command_has():
     ruled = 0
     for command in modules():
         dests = {a.dest for a in sub.choices[command.NAME]._actions}
+        actions = {a.dest: a for a in sub.choices[command.NAME]._actions}
         for rule in getattr(command, "UNREAD", ()):
-            named = {rule.mode.partition("=")[0], *(rule.reads or ()), *rule.ignores}
+            dest, _, value = rule.mode.partition("=")
+            named = {dest, *(rule.reads or ()), *rule.ignores}
             assert named <= dests, (command.NAME, named - dests)
+            if value:  # a positional's value the rule waits for must be one it can take
+                assert value in actions[dest].choices, (command.NAME, rule.mode)
             ruled += 1
-    assert ruled >= 6
+    assert ruled >= 10
 
 
 def test_an_empty_value_is_named_as_its_own_command_spells_the_option(tmp_path):
@@ -593,3 +615,51 @@ def test_an_empty_value_is_named_as_its_own_command_spells_the_option(tmp_path):
         "bwstack: error: --archive is empty: give a value or leave the option out\n"
     )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cuda_install_refuses_an_allow_unhashed_name_outside_its_closure_as_fetch_does(tmp_path):
+    """cuda install never handed --allow-unhashed to its fetcher: a toolkit wheel without a hash could not be
+    installed, and a misspelt name was accepted."""
+    result = bwstack("--lock", str(REAL_LOCK), "cuda", "install", "--profile", "cu128", "--prefix",
+                     str(tmp_path / "cuda"), "--root", str(tmp_path / "root"), "--offline",
+                     "--allow-unhashed", "no-such-package")  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == "bwstack: error: --allow-unhashed no-such-package: not in this closure\n"
+    assert not (tmp_path / "cuda").exists()
+
+
+def test_backup_takes_over_a_link_it_did_not_make_when_told_to(tmp_path):
+    """backup adopts an env that is a real folder and then points the links: it needs --take-over-links as a
+    build does, and offers it."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "ml-env")], check=True)
+    (tmp_path / "other-cuda").mkdir()
+    (tmp_path / "cuda").symlink_to(tmp_path / "other-cuda")
+    where = [
+        "--root",
+        str(tmp_path / "root"),
+        "--ml-env",
+        str(tmp_path / "ml-env"),
+        "--cuda-link",
+        str(tmp_path / "cuda"),
+    ]
+    refused = bwstack("backup", *where)
+    assert refused.returncode == 2 and "pass --take-over-links" in refused.stderr, refused.stderr
+    taken = bwstack("backup", *where, "--take-over-links")
+    assert taken.returncode == 0 and "\nadopted: 0000-adopted-" in taken.stdout, taken.stderr
+    assert os.readlink(tmp_path / "cuda") == str(tmp_path / "root" / "current" / "cuda")
+
+
+def test_backup_with_no_env_says_why_it_did_nothing(tmp_path):
+    result = bwstack("backup", "--root", str(tmp_path / "root"), "--ml-env", str(tmp_path / "no-env"),
+                     "--cuda-link", "none")  # fmt: skip
+    assert result.returncode == 0 and result.stdout == "nothing: no active env to back up\n", result.stdout
+
+
+def test_build_check_plans_no_switch_when_the_run_would_not_switch(stack):
+    """--check is the same command line as a dry run: --no-switch was ignored and the plan said "switch"."""
+    plain = json.loads(stack.run("build", "--profile", "fixture-new", "--check", "--json", check=True).stdout)
+    kept = json.loads(
+        stack.run("build", "--profile", "fixture-new", "--check", "--no-switch", "--json", check=True).stdout
+    )
+    assert any(a.startswith("switch ") for a in plain["actions"])
+    assert kept["actions"] == [a for a in plain["actions"] if not a.startswith("switch ")] and kept["build"]

@@ -170,13 +170,14 @@ def refuse_unread(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         selected = getattr(args, dest, None) == value if value else dest in given
         if selected == rule.absent:
             continue
-        mode = value or shown[dest]
+        mode = value or shown.get(dest, dest)
         for other in given:
             if other == dest or (other in rule.reads if rule.reads is not None else other not in rule.ignores):
                 continue
             if rule.absent:
-                raise UsageError(f"{shown[other]} is read only with {mode}: add {mode} or leave {shown[other]} out")
-            raise UsageError(f"{shown[other]} is not read with {mode}: leave it out")
+                name = shown.get(other, other)
+                raise UsageError(f"{name} is read only with {mode}: add {mode} or leave {name} out")
+            raise UsageError(f"{shown.get(other, other)} is not read with {mode}: leave it out")
 
 
 def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:

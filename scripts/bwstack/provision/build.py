@@ -65,8 +65,9 @@ def find_built(store: Store, profile: Profile, digest: str) -> Generation | None
     return None
 
 
-def plan_build(lock: Lock, profile: Profile, layout: Layout) -> dict:
-    """What `build` would do, changing nothing (Ansible check mode)."""
+def plan_build(lock: Lock, profile: Profile, layout: Layout, *, switch: bool = True) -> dict:
+    """What `build` would do, changing nothing (Ansible check mode). The same command line with --check: what
+    only the real run reads (where wheels come from, the manifest check's depth) changes no planned action."""
     profile.require_closure(lock.path)
     store = Store(layout)
     digest = closure_digest(profile)
@@ -77,7 +78,7 @@ def plan_build(lock: Lock, profile: Profile, layout: Layout) -> dict:
         actions.append(f"adopt {layout.ml_env} as a generation (no copy)")
     if built is None:
         actions.append(f"build a {profile.name} generation ({len(profile.require_closure(lock.path).env)} packages)")
-    if active is None or built is None or active.name != built.name:
+    if switch and (active is None or built is None or active.name != built.name):
         actions.append(f"switch {layout.ml_env} to the {profile.name} generation")
     return {
         "changed": bool(actions),

@@ -12,7 +12,10 @@ HELP = (
     "node acceptance: driver, PCIe fabric and the first all-reduce against the lock's target "
     "(exit 0 accepted, 1 not, 2 bad input)"
 )
-UNREAD = (options.Unread("machine", ignores=("env", "timeout")),)  # a recording runs nothing on GPUs
+UNREAD = (
+    options.Unread("machine", ignores=("env", "timeout")),  # a recording runs nothing on the GPUs
+    options.Unread("no_runtime", ignores=("env", "timeout")),  # nor does a static-only run
+)
 
 
 def add_options(p: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ HELP = "capture the active env as a verified generation"
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    options.add_node(p, take_over_links=False, verify=True)
+    options.add_node(p, take_over_links=True, verify=True)
     p.add_argument(
         "--archive", type=options.plain_path, help="also write an off-node archive (tar + zstd, with .sha256)"
     )
@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
             if gen is None:
                 raise UsageError("nothing to archive: no active generation")
             result["archive"] = archive.write_archive(store, gen, Path(args.archive))
-    text = f"{result['action']}: {result.get('generation')}"
+    text = f"{result['action']}: {result.get('generation') or result.get('note')}"
     if args.archive:
         written = result["archive"]
         # Whole: a restore on another node needs it (--sha256) to know the archive is the one written here.

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     layout = options.layout(args)
     options.apply_ca_bundle(args)
     if args.check:
-        plan = build.plan_build(lock, profile, layout)
+        plan = build.plan_build(lock, profile, layout, switch=not args.no_switch)
         console.result(plan, "\n".join(plan["actions"]) or "nothing to do")
         return 0
     result = build.build(lock, profile, layout, build_options(args), log=console.log)

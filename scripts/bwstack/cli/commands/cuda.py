@@ -10,7 +10,10 @@ from bwstack.cli.console import Console
 
 NAME = "cuda"
 HELP = "the profile's CUDA toolkit: status, or install (pip)"
-UNREAD = (options.Unread("action=status", reads=("profile", "prefix", "json")),)  # status reads the toolkit only
+UNREAD = (
+    options.Unread("action=status", reads=("profile", "prefix", "json")),  # status reads the toolkit only
+    options.Unread("offline", ignores=("index",)),  # an offline run reaches no mirror
+)
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -38,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     options.apply_ca_bundle(args)
     layout = options.layout(args)
     check_cache(layout)
-    fetcher = Fetcher(layout.wheel_store, options.sources(args), log=console.log)
+    fetcher = Fetcher(layout.wheel_store, options.sources(args), args.allow_unhashed or (), log=console.log)
     before = cudatk.status(home)
     st = cudatk.install_pip(profile, fetcher, home, log=console.log)
     payload = st.as_dict() | {"changed": not before.exists}

@@ -11,6 +11,7 @@ from bwstack.cli.console import Console
 
 NAME = "fetch"
 HELP = "download a profile's wheels (hash-checked) into a directory"
+UNREAD = (options.Unread("offline", ignores=("index",)),)  # an offline run reaches no mirror
 
 
 def add_options(p: argparse.ArgumentParser) -> None:

@@ -12,6 +12,10 @@ from bwstack.errors import UsageError
 
 NAME = "patch"
 HELP = "SGLang SM120 patches: apply, revert or show their state"
+UNREAD = (
+    options.Unread("env", ignores=("root", "ml_env", "cuda_link")),  # they only find the env
+    options.Unread("patch", ignores=("profile",)),  # the profile only names the default patches
+)
 
 
 def add_env_selection(p: argparse.ArgumentParser) -> None:

@@ -16,7 +16,10 @@ DESCRIPTION = (
     "Exit status: 0 when every chosen path has kernels for the GPU, 1 when one does not (the "
     "suggested flags are printed) or no plan could be made, 2 for bad input."
 )
-UNREAD = (options.Unread("list_models", reads=("json",)),)  # it only lists the configs
+UNREAD = (
+    options.Unread("list_models", reads=("json",)),  # it only lists the configs
+    options.Unread("env", ignores=("root", "ml_env")),  # they only find the env
+)
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
