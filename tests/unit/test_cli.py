@@ -564,6 +564,8 @@ UNREAD_CASES = [
     ),
     (["features", "--env", "/nonexistent/env", "--ml-env", "/nonexistent/m"], "--ml-env is not read with --env"),
     (["serve-plan", "--env", "/nonexistent/env", "--root", "/nonexistent/root"], "--root is not read with --env"),
+    (["rollback", "--target", "ssh://127.0.0.1:1", "--verify", "full"], "--verify is not read with --target"),
+    (["rollback", "--target", "ssh://127.0.0.1:1", "--json"], "--json is not read with --target"),
 ]
 
 

@@ -12,6 +12,9 @@ from bwstack.errors import UsageError
 
 NAME = "rollback"
 HELP = "switch back to a verified generation"
+# The rollback playbook gets the store, source and waiver options (options.playbook_settings); the role decides
+# the rest on the node.
+UNREAD = (options.Unread("target", ignores=("take_over_links", "verify", "python", "json")),)
 
 TARGET_HELP = (
     "roll back these hosts through the rollback playbook, then verify them: local://, "
