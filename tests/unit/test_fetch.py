@@ -74,16 +74,18 @@ def _fetch(stack, dest: Path, *more: str, extra_env: dict | None = None):
 
 # ------------------------------------------------------------------------------------------------ offline
 
+# The mirror comes through BWSTACK_INDEX, which an offline run may have set around it: `--offline --index` on
+# one command line is refused before anything runs (test_cli.py).
 SOURCES = [
-    ("lock-urls", []),
-    ("index-mirror", ["--index", "pypi=https://127.0.0.1:{port}/simple"]),
+    ("lock-urls", {}),
+    ("index-mirror", {"BWSTACK_INDEX": "pypi=https://127.0.0.1:{port}/simple"}),
 ]
 
 
 @pytest.mark.parametrize("source", [c[1] for c in SOURCES], ids=[c[0] for c in SOURCES])
 def test_fetch_offline_never_reaches_an_index_and_says_what_is_missing(stack, tmp_path, listener, source):
-    args = [a.format(port=listener.port) for a in source]
-    result = _fetch(stack, tmp_path / "dest", *args, "--offline", extra_env=_network_env(listener))
+    env = {k: v.format(port=listener.port) for k, v in source.items()}
+    result = _fetch(stack, tmp_path / "dest", "--offline", extra_env={**_network_env(listener), **env})
     assert result.returncode == 1, result.stderr
     assert "is in no wheelhouse and the run is offline" in result.stderr and result.stderr.count("\n") == 1
     assert listener.hits == 0
@@ -92,8 +94,8 @@ def test_fetch_offline_never_reaches_an_index_and_says_what_is_missing(stack, tm
 @pytest.mark.parametrize("source", [c[1] for c in SOURCES], ids=[c[0] for c in SOURCES])
 def test_the_listener_sees_the_attempt_a_fetch_without_offline_makes(stack, tmp_path, listener, source):
     """The control of the test above: without --offline the same fetch does reach for the network."""
-    args = [a.format(port=listener.port) for a in source]
-    result = _fetch(stack, tmp_path / "dest", *args, extra_env=_network_env(listener))
+    env = {k: v.format(port=listener.port) for k, v in source.items()}
+    result = _fetch(stack, tmp_path / "dest", extra_env={**_network_env(listener), **env})
     assert result.returncode == 1 and listener.hits > 0, result.stderr
 
 
