@@ -277,7 +277,8 @@ def do_rollback(r: Runner) -> dict:
             "msg": plan.get("action") or "",
             "diff": {"before": _state(p["ml_env"], before), "after": _state(p["ml_env"], after)},
         }
-    _, result, err = r.run(*args, *_source_args(p))
+    # Wheels are only fetched for a rebuild: `bwstack rollback` refuses source options it would not read.
+    _, result, err = r.run(*args, *(_source_args(p) if p["rebuild"] else []))
     after = result.get("generation") or result.get("active")
     return {
         "changed": bool(result.get("changed")),

@@ -228,10 +228,11 @@ def _linked_unreadable_json(tmp_path: Path) -> str:
 
 
 BAD_INPUT = [
-    ("timeout-zero", lambda t: ["--no-runtime", "--timeout", "0"], "--timeout 0: must be between 1 and 3600"),
-    ("timeout-words", lambda t: ["--no-runtime", "--timeout", "soon"], "--timeout 'soon': expected a number"),
-    ("timeout-nan", lambda t: ["--no-runtime", "--timeout", "nan"], "must be between"),
-    ("timeout-too-long", lambda t: ["--no-runtime", "--timeout", "3601"], "must be between 1 and 3600"),
+    # A bad --timeout is refused before anything runs (--no-runtime would be refused beside it: it reads none).
+    ("timeout-zero", lambda t: ["--timeout", "0"], "--timeout 0: must be between 1 and 3600"),
+    ("timeout-words", lambda t: ["--timeout", "soon"], "--timeout 'soon': expected a number"),
+    ("timeout-nan", lambda t: ["--timeout", "nan"], "must be between"),
+    ("timeout-too-long", lambda t: ["--timeout", "3601"], "must be between 1 and 3600"),
     ("timeout-empty", lambda t: ["--no-runtime", "--timeout", ""], "--timeout is empty"),
     ("machine-missing", lambda t: ["--machine", str(t / "nope")], "no such directory"),
     ("machine-a-file", lambda t: ["--machine", _a_file(t)], "no such directory"),

@@ -90,7 +90,7 @@ class Node:
             json.dumps({"bwstack_tool_wheel": self.wheel, "bwstack_tool_wheelhouse": str(self.tool_wheelhouse)})
         )
         args = ["rollback", "--target", "local://", "--root", str(self.root), "--ml-env", str(self.ml_env)]
-        args += ["--cuda-link", "none", "--wheelhouse", str(self.stack / "wheelhouse"), "--offline", "-e", f"@{extra}"]
+        args += ["--cuda-link", "none", "-e", f"@{extra}"]  # no wheels: it goes back to a generation the store has
         return self._record(step, bwstack_cli(self.lock, *args, log=self.logs / f"{step}.log"))
 
     def play(self, step: str, name: str, flags: tuple[str, ...] = (), **more) -> Run:

@@ -116,7 +116,7 @@ def test_rollback_says_it_left_a_real_file_at_the_cuda_link_as_it_was(stack):
 def test_rollback_with_nothing_to_go_back_to_says_so_and_changes_nothing(stack):
     stack.build("fixture-new", check=True)
     before = os.readlink(stack.root / "current")
-    result = stack.run("rollback", "--wheelhouse", str(stack.wheelhouse))
+    result = stack.run("rollback")
     assert result.returncode == 1
     assert result.stderr.startswith("bwstack: error: nothing to roll back to: 0000-fixture-new-")
     assert "is the only generation" in result.stderr and "--rebuild" in result.stderr

@@ -14,7 +14,13 @@ NAME = "rollback"
 HELP = "switch back to a verified generation"
 # The rollback playbook gets the store, source and waiver options (options.playbook_settings); the role decides
 # the rest on the node.
-UNREAD = (options.Unread("target", ignores=("take_over_links", "verify", "python", "json")),)
+UNREAD = (
+    options.Unread("target", ignores=("take_over_links", "verify", "python", "json")),
+    # Wheels are fetched only to rebuild; going back to a generation the store has reads none.
+    options.Unread(
+        "rebuild", absent=True, ignores=("wheelhouse", "index", "offline", "ca_bundle", "allow_unhashed", "python")
+    ),
+)
 
 TARGET_HELP = (
     "roll back these hosts through the rollback playbook, then verify them: local://, "
