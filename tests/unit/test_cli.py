@@ -635,6 +635,17 @@ def test_cuda_install_refuses_an_allow_unhashed_name_outside_its_closure_as_fetc
     assert not (tmp_path / "cuda").exists()
 
 
+def test_cuda_install_takes_the_provision_runs_allow_unhashed_names_of_the_env_part(tmp_path):
+    """Provision hands one --allow-unhashed list (README: torchaudio, flashinfer-jit-cache) to the env build and
+    the toolkit install alike: a name of the env's part must not stop the toolkit install. Here it gets past the
+    names to the offline fetch, which has no wheelhouse."""
+    result = bwstack("--lock", str(REAL_LOCK), "cuda", "install", "--profile", "cu130", "--prefix",
+                     str(tmp_path / "cuda"), "--root", str(tmp_path / "root"), "--offline",
+                     "--allow-unhashed", "torchaudio", "--allow-unhashed", "flashinfer-jit-cache")  # fmt: skip
+    assert result.returncode == 1 and "is in no wheelhouse and the run is offline" in result.stderr, result.stderr
+    assert not (tmp_path / "cuda").exists()
+
+
 def test_backup_takes_over_a_link_it_did_not_make_when_told_to(tmp_path):
     """backup adopts an env that is a real folder and then points the links: it needs --take-over-links as a
     build does, and offers it."""

@@ -332,3 +332,14 @@ def test_the_nodes_refuse_a_mirror_without_an_index_name_as_the_controller_does(
 
     with pytest.raises(UsageError, match="expected NAME=https://mirror/simple"):
         Sources.parse(mirrors=["=https://mirror.example/simple"])
+
+
+def test_an_allow_unhashed_name_of_the_profiles_other_part_is_no_error_but_one_of_neither_is(tmp_path):
+    """The env build gets the toolkit's names as `elsewhere` and the toolkit install the env's: one list serves a
+    whole provision run, and a misspelt name is still refused."""
+    from bwstack.errors import UsageError
+    from bwstack.provision.wheelhouse import Fetcher, Sources
+
+    Fetcher(tmp_path / "store", Sources(), ["nvidia-cuda-nvcc"], elsewhere=["nvidia-cuda-nvcc"]).fetch_all({})
+    with pytest.raises(UsageError, match="--allow-unhashed nvidia-cuda-nvc: not in this closure"):
+        Fetcher(tmp_path / "store", Sources(), ["nvidia-cuda-nvc"], elsewhere=["nvidia-cuda-nvcc"]).fetch_all({})

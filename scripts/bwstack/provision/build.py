@@ -169,7 +169,7 @@ def _build_generation(
     layout = store.layout
     closure = profile.require_closure(lock.path)
     t0 = time.perf_counter()
-    fetcher = Fetcher(layout.wheel_store, opts.sources, opts.allow_unhashed, log=log)
+    fetcher = Fetcher(layout.wheel_store, opts.sources, opts.allow_unhashed, log=log, elsewhere=closure.cuda_toolkit)
     wheels = fetcher.fetch_all(select(closure.env, Target.of(profile)))
     timings["fetch_s"] = time.perf_counter() - t0
     timings["fetch"] = fetcher.progress.summary()

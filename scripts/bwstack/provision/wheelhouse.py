@@ -166,6 +166,7 @@ class Fetcher:
         rehash_store: bool = False,
         progress: DownloadProgress | None = None,
         inside: Path | None = None,
+        elsewhere: Iterable[str] = (),
     ) -> None:
         self.store = Path(store)
         # `inside`: a folder the operator named that others may write (`fetch --dest`): the store's own folders
@@ -173,13 +174,16 @@ class Fetcher:
         self._base, self._parts = (Path(inside), self.store.relative_to(inside).parts) if inside else (self.store, ())
         self.sources = sources
         self.allow_unhashed = set(allow_unhashed)
+        # The profile's other part (its CUDA toolkit for an env build, its env for a toolkit install): a provision
+        # run hands one --allow-unhashed list to both, so a name of the other part is no error here.
+        self.elsewhere = set(elsewhere)
         self.http = http or pypi.session()
         self.log = log
         self.rehash_store = rehash_store
         self.progress = progress or DownloadProgress()
 
     def fetch_all(self, selection: Mapping[str, tuple[LockedPackage, Wheel]]) -> dict[str, LocalWheel]:
-        unknown = self.allow_unhashed - set(selection)
+        unknown = self.allow_unhashed - set(selection) - self.elsewhere
         if unknown:
             raise UsageError(f"--allow-unhashed {', '.join(sorted(unknown))}: not in this closure")
         refused = [

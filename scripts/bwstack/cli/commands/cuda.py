@@ -41,7 +41,11 @@ def run(args: argparse.Namespace) -> int:
     options.apply_ca_bundle(args)
     layout = options.layout(args)
     check_cache(layout)
-    fetcher = Fetcher(layout.wheel_store, options.sources(args), args.allow_unhashed or (), log=console.log)
+    # --allow-unhashed names the profile's packages (provision hands the env build the same list): one of the env's
+    # is no error here, one of neither part is.
+    closure = profile.require_closure()
+    unhashed = args.allow_unhashed or ()
+    fetcher = Fetcher(layout.wheel_store, options.sources(args), unhashed, log=console.log, elsewhere=closure.env)
     before = cudatk.status(home)
     st = cudatk.install_pip(profile, fetcher, home, log=console.log)
     payload = st.as_dict() | {"changed": not before.exists}
