@@ -374,3 +374,36 @@ def test_concurrent_builds_leave_one_consistent_store(stack):
     codes = sorted(r.returncode for r in results)
     assert codes[0] == 0 and set(codes) <= {0, 3}
     assert len(_store(stack).generations()) == 1
+
+
+def _plan_and_run(stack, *flags: str) -> tuple[dict, dict]:
+    plan = json.loads(stack.run("build", "--profile", "fixture-new", "--check", *flags, "--json", check=True).stdout)
+    done = json.loads(stack.run("build", "--profile", "fixture-new", *flags, "--json", check=True).stdout)
+    return plan, done
+
+
+@pytest.mark.parametrize("flags", [(), ("--no-switch",)], ids=["switch", "no-switch"])
+def test_build_check_plans_the_snapshot_of_a_changed_active_env_as_the_build_takes_it(stack, flags):
+    """The plan modelled no snapshot: with the active env changed it planned a build and a switch only, and a
+    `build --no-switch` then moved `current` to the snapshot it did not plan."""
+    stack.build("fixture-new", check=True)
+    active = _store(stack).active()
+    victim = next(active.env.glob("lib/python3.*/site-packages/fixture_dep/__init__.py"))
+    victim.chmod(0o644)
+    victim.write_text("VALUE = 99  # changed in place\n")  # through its hard links: the bytes are gone
+    plan, done = _plan_and_run(stack, *flags)
+    assert plan["actions"][0].startswith(f"snapshot {stack.ml_env} as a generation (1 paths differ")
+    assert plan["build"] and any(a == f"built {plan['target']}" for a in done["actions"]), (plan, done["actions"])
+    assert done["backup"]["action"] == "snapshot"
+    switched = [a for a in done["actions"] if a.startswith("switched ")]
+    assert bool(switched) == any(a.startswith("switch ") for a in plan["actions"]) == (flags == ())
+
+
+@needs_py312
+def test_build_check_names_the_generation_a_build_after_an_adopt_will_make(stack):
+    from bwstack.provision.envbuild import find_python
+
+    subprocess.run([find_python("3.12"), "-m", "venv", "--without-pip", str(stack.ml_env)], check=True)
+    plan, done = _plan_and_run(stack, "--wheelhouse", str(stack.wheelhouse))
+    assert plan["actions"][0] == f"adopt {stack.ml_env} as a generation (no copy)" and plan["build"]
+    assert any(a == f"built {plan['target']}" for a in done["actions"]), (plan["target"], done["actions"])

@@ -66,26 +66,43 @@ def find_built(store: Store, profile: Profile, digest: str) -> Generation | None
 
 
 def plan_build(lock: Lock, profile: Profile, layout: Layout, *, switch: bool = True) -> dict:
-    """What `build` would do, changing nothing (Ansible check mode). The same command line with --check: what
-    only the real run reads (where wheels come from, the manifest check's depth) changes no planned action."""
+    """What `build` would do, changing nothing (Ansible check mode), step by step as `_build_locked` takes them:
+    the backup (adopt a real-folder env, or snapshot an active generation that changed since it was sealed and
+    restore it from the store), the build, the switch. The same command line with --check: what only the real
+    run reads (where wheels come from) changes no planned action."""
     profile.require_closure(lock.path)
     store = Store(layout)
     digest = closure_digest(profile)
     active = store.active()
-    built = find_built(store, profile, digest)
+    next_id = store.next_id()
     actions = []
+    drift: list = []
     if layout.ml_env.is_dir() and not layout.ml_env.is_symlink():
         actions.append(f"adopt {layout.ml_env} as a generation (no copy)")
+        next_id += 1  # the adopted env takes the next id, the build the one after
+    elif active is not None and not active.damaged:
+        drift = active.verify("quick")
+    built = find_built(store, profile, digest)
+    if drift:
+        actions.append(
+            f"snapshot {layout.ml_env} as a generation ({len(drift)} paths differ from {active.name}'s manifest), "
+            f"then restore {active.name} from the store where its bytes are still there"
+        )
+        next_id += 1
     if built is None:
-        actions.append(f"build a {profile.name} generation ({len(profile.require_closure(lock.path).env)} packages)")
-    if switch and (active is None or built is None or active.name != built.name):
+        # After a snapshot the restored generation may serve, which only the restore can tell: the plan says
+        # "build" (and the preflight asks for a build's free disk) rather than promise less than may happen.
+        unless = f" unless the restore makes {active.name} whole" if drift and active.profile == profile.name else ""
+        packages = len(profile.require_closure(lock.path).env)
+        actions.append(f"build a {profile.name} generation ({packages} packages){unless}")
+    if switch and (drift or active is None or built is None or active.name != built.name):
         actions.append(f"switch {layout.ml_env} to the {profile.name} generation")
     return {
         "changed": bool(actions),
         "actions": actions,
         "build": built is None,
         "active": active.name if active else None,
-        "target": built.name if built else generation_name(store.next_id(), profile.name, digest),
+        "target": built.name if built else generation_name(next_id, profile.name, digest),
         "closure_digest": digest,
     }
 
