@@ -566,11 +566,6 @@ UNREAD_CASES = [
     (["serve-plan", "--env", "/nonexistent/env", "--root", "/nonexistent/root"], "--root is not read with --env"),
     (["rollback", "--target", "ssh://127.0.0.1:1", "--verify", "full"], "--verify is not read with --target"),
     (["rollback", "--target", "ssh://127.0.0.1:1", "--json"], "--json is not read with --target"),
-    (
-        ["rollback", "--to", "0", "--offline"],
-        "--offline is read only with --rebuild: add --rebuild or leave --offline out",
-    ),
-    (["rollback", "--target", "ssh://127.0.0.1:1", "--wheelhouse", "/"], "--wheelhouse is read only with --rebuild"),
 ]
 
 

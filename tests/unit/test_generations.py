@@ -407,3 +407,14 @@ def test_build_check_names_the_generation_a_build_after_an_adopt_will_make(stack
     plan, done = _plan_and_run(stack, "--wheelhouse", str(stack.wheelhouse))
     assert plan["actions"][0] == f"adopt {stack.ml_env} as a generation (no copy)" and plan["build"]
     assert any(a == f"built {plan['target']}" for a in done["actions"]), (plan["target"], done["actions"])
+
+
+def test_a_rollback_given_source_options_without_rebuild_says_it_reads_none_and_goes_back(stack):
+    """The emergency path does not refuse what an older controller's module passes to every rollback, nor does it
+    take them silently."""
+    stack.build("fixture-old", check=True)
+    stack.build("fixture-new", check=True)
+    result = stack.run("rollback", "--to", "0", "--wheelhouse", str(stack.wheelhouse), "--offline")
+    assert result.returncode == 0, result.stderr
+    assert "note: --wheelhouse, --offline not read: without --rebuild a rollback fetches no wheel" in result.stderr
+    assert _store(stack).active().id == 0

@@ -14,13 +14,10 @@ NAME = "rollback"
 HELP = "switch back to a verified generation"
 # The rollback playbook gets the store, source and waiver options (options.playbook_settings); the role decides
 # the rest on the node.
-UNREAD = (
-    options.Unread("target", ignores=("take_over_links", "verify", "python", "json")),
-    # Wheels are fetched only to rebuild; going back to a generation the store has reads none.
-    options.Unread(
-        "rebuild", absent=True, ignores=("wheelhouse", "index", "offline", "ca_bundle", "allow_unhashed", "python")
-    ),
-)
+UNREAD = (options.Unread("target", ignores=("take_over_links", "verify", "python", "json")),)
+# Wheels are fetched only to rebuild. A rollback here given source options without --rebuild says it reads none,
+# and goes on: it is the emergency path, and a controller's older module passes them to every rollback.
+SOURCE_OPTIONS = ("wheelhouse", "index", "offline", "ca_bundle", "allow_unhashed", "python")
 
 TARGET_HELP = (
     "roll back these hosts through the rollback playbook, then verify them: local://, "
@@ -60,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
     from bwstack.provision import build
 
     console = Console.of(args)
+    unread = [f"--{o.replace('_', '-')}" for o in SOURCE_OPTIONS if getattr(args, o, None) and not args.rebuild]
+    if unread:
+        console.note(f"note: {', '.join(unread)} not read: without --rebuild a rollback fetches no wheel")
     lock = load_lock(args.lock)
     layout = options.layout(args)
     options.apply_ca_bundle(args)
