@@ -231,6 +231,16 @@ def add_store(p: Container, *, cuda_link: bool = True, hidden: bool = False, on_
         p.add_argument("--cuda-link", type=plain_path, help=argparse.SUPPRESS if hidden else CUDA_LINK_HELP)
 
 
+def add_ml_env(p: Container, *, hidden: bool = False) -> None:
+    """--ml-env alone, for commands that read an env and no store: the env users run is the ml-env link, which
+    --root does not move (a --root here was read by nothing, so `patch apply --root X` patched the default env)."""
+    p.add_argument(
+        "--ml-env",
+        type=plain_path,
+        help=argparse.SUPPRESS if hidden else "the env path users run (default: /opt/ml-env as root, else ~/ml-env)",
+    )
+
+
 def add_node(p: Container, *, take_over_links: bool, verify: bool) -> None:
     """The options of commands that work on this node's store: its location and --json; --take-over-links for
     those that point links, --verify for those that check a generation against its manifest (a command never
@@ -396,7 +406,10 @@ def layout(args: argparse.Namespace):
     from bwstack.store.layout import Layout
 
     return Layout.default(
-        args.root, args.ml_env, getattr(args, "cuda_link", None), getattr(args, "take_over_links", False)
+        getattr(args, "root", None),
+        args.ml_env,
+        getattr(args, "cuda_link", None),
+        getattr(args, "take_over_links", False),
     )
 
 

@@ -92,11 +92,11 @@ def _installed_hashes(env: Path) -> tuple[str | None, dict[str, str]]:
     return generation, hashes
 
 
-def plan_env(profile: Profile, env: Path | None, root: str | None = None, ml_env: str | None = None) -> EnvPlan:
+def plan_env(profile: Profile, env: Path | None, ml_env: str | None = None) -> EnvPlan:
     if env is None:
         from bwstack.store.layout import Layout
 
-        env = Layout.default(root, ml_env).ml_env
+        env = Layout.default(None, ml_env).ml_env
     if not env.exists():
         closure = profile.require_closure()
         plan = EnvPlan(profile.name, str(env), None)

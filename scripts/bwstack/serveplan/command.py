@@ -16,7 +16,7 @@ NAME_RE = re.compile(r"^[A-Za-z0-9_]+$")
 def _env(args: argparse.Namespace) -> Path:
     from bwstack.store.layout import Layout
 
-    env = Path(args.env) if args.env else Layout.default(args.root, args.ml_env, None).ml_env
+    env = Path(args.env) if args.env else Layout.default(None, args.ml_env, None).ml_env
     if not (env / "bin" / "python").exists():
         raise UsageError(f"--env {env}: not a Python env (no bin/python); provision one or pass --env PATH")
     return env

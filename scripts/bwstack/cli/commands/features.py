@@ -11,7 +11,7 @@ from bwstack.cli.console import Console
 
 NAME = "features"
 HELP = "what the installed code will really do on SM120"
-UNREAD = (options.Unread("env", ignores=("root", "ml_env", "cuda_link")),)  # they only find the env
+UNREAD = (options.Unread("env", ignores=("ml_env",)),)  # it only finds the env
 
 
 def add_options(p: argparse.ArgumentParser) -> None:

@@ -13,7 +13,7 @@ from bwstack.errors import UsageError
 NAME = "patch"
 HELP = "SGLang SM120 patches: apply, revert or show their state"
 UNREAD = (
-    options.Unread("env", ignores=("root", "ml_env", "cuda_link")),  # they only find the env
+    options.Unread("env", ignores=("ml_env",)),  # it only finds the env
     options.Unread("patch", ignores=("profile",)),  # the profile only names the default patches
 )
 
@@ -21,7 +21,7 @@ UNREAD = (
 def add_env_selection(p: argparse.ArgumentParser) -> None:
     """--env, else the active ml-env of the store the (hidden) store options name."""
     p.add_argument("--env", type=options.plain_path, help="the env (default: the active ml-env)")
-    options.add_store(p, hidden=True)
+    options.add_ml_env(p, hidden=True)
     options.add_json(p)
 
 

@@ -18,7 +18,7 @@ DESCRIPTION = (
 )
 UNREAD = (
     options.Unread("list_models", reads=("json",)),  # it only lists the configs
-    options.Unread("env", ignores=("root", "ml_env")),  # they only find the env
+    options.Unread("env", ignores=("ml_env",)),  # it only finds the env
 )
 
 
@@ -28,7 +28,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--list-models", action="store_true", help="list the reference configs and where they come from")
     options.add_profile(p, help="the lock profile whose hardware target is planned for (default: the lock's)")
     p.add_argument("--env", type=options.plain_path, help="the env whose SGLang decides (default: the active ml-env)")
-    options.add_store(p, cuda_link=False, hidden=True)
+    options.add_ml_env(p, hidden=True)
     p.add_argument(
         "--capability",
         help="simulate this GPU capability (default: the profile target's, or the real GPU when this host has one)",
