@@ -52,3 +52,39 @@ def test_a_single_value_stays_on_its_line():
     from bwstack.terminal import one_line
 
     assert one_line("Y\nFORGED-3 hmm\r\nx\ry") == "Y\\nFORGED-3 hmm\\nx\\ry"
+
+
+def test_progress_lines_logged_from_many_threads_at_once_stay_whole_lines(monkeypatch):
+    """The fetch's eight threads log at once: print() wrote each line and its newline apart, and two warnings ran
+    together on one line. A stream that yields between writes makes that interleaving happen every time."""
+    import sys
+    import threading
+    import time
+
+    from bwstack.cli.console import Console
+
+    class Yielding:
+        def __init__(self) -> None:
+            self.parts: list[str] = []
+
+        def write(self, text: str) -> int:
+            time.sleep(0.0005)  # let another thread write before this one's next write
+            self.parts.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    stream = Yielding()
+    monkeypatch.setattr(sys, "stdout", stream)
+    console = Console()
+    threads = [
+        threading.Thread(target=lambda n=n: [console.log(f"WARNING: wheel {n}-{i} unverified") for i in range(20)])
+        for n in range(8)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    lines = "".join(stream.parts).splitlines()
+    assert sorted(lines) == sorted(f"WARNING: wheel {n}-{i} unverified" for n in range(8) for i in range(20))

@@ -27,11 +27,11 @@ class Console:
 
     def log(self, message: str) -> None:
         """A progress line: stdout for people, stderr under --json (stdout then carries the JSON only)."""
-        print(visible(message), file=sys.stderr if self.json_mode else sys.stdout, flush=self.json_mode)
+        _line(sys.stderr if self.json_mode else sys.stdout, message, flush=self.json_mode)
 
     def note(self, message: str) -> None:
         """A line for the person running the command whatever the mode: warnings, verdicts, hints (stderr)."""
-        print(visible(message), file=sys.stderr, flush=True)
+        _line(sys.stderr, message, flush=True)
 
     def stderr_log(self) -> Callable[[str], None]:
         """A `log=` callback for work whose progress goes to stderr in both modes."""
@@ -62,3 +62,11 @@ class Console:
     def raw(self, text: str) -> None:
         """Bytes-exact output on stdout (rendered requirement files)."""
         sys.stdout.write(text)
+
+
+def _line(stream, message: str, *, flush: bool) -> None:
+    """One write for the line and its newline: the fetch's threads log at once, and print() writes the two apart,
+    so their lines ran together ("...unverifiedWARNING: ...")."""
+    stream.write(visible(message) + "\n")
+    if flush:
+        stream.flush()
