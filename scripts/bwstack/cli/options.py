@@ -222,11 +222,7 @@ def add_store(p: Container, *, cuda_link: bool = True, hidden: bool = False, on_
             p.add_argument("--cuda-link", type=plain_path, help=link_help)
         return
     p.add_argument("--root", type=plain_path, help=argparse.SUPPRESS if hidden else STORE_ROOT_HELP)
-    p.add_argument(
-        "--ml-env",
-        type=plain_path,
-        help=argparse.SUPPRESS if hidden else "the env path users run (default: /opt/ml-env as root, else ~/ml-env)",
-    )
+    add_ml_env(p, hidden=hidden)
     if cuda_link:
         p.add_argument("--cuda-link", type=plain_path, help=argparse.SUPPRESS if hidden else CUDA_LINK_HELP)
 
