@@ -30,8 +30,8 @@ class ArchiveRefusedError(UsageError):
 
 
 class HashMismatchError(BwstackError):
-    """A wheel (downloaded, in a wheelhouse or in the store) is not the one the lock names: bad input, as a
-    hostile archive is, so exit 2; nothing of it was kept."""
+    """A wheel (downloaded or in a wheelhouse) is not the one the lock names: bad input, as a hostile archive is,
+    so exit 2; nothing of it was kept. (A damaged copy in the store's own cache is removed and fetched again.)"""
 
     exit_code = 2
 

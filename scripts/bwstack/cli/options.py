@@ -174,10 +174,10 @@ def refuse_unread(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         for other in given:
             if other == dest or (other in rule.reads if rule.reads is not None else other not in rule.ignores):
                 continue
+            name = shown.get(other, other)
             if rule.absent:
-                name = shown.get(other, other)
                 raise UsageError(f"{name} is read only with {mode}: add {mode} or leave {name} out")
-            raise UsageError(f"{shown.get(other, other)} is not read with {mode}: leave it out")
+            raise UsageError(f"{name} is not read with {mode}: leave it out")
 
 
 def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
