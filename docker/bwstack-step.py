@@ -48,6 +48,8 @@ from concurrent.futures import ThreadPoolExecutor
 CHUNK = 1 << 20
 TIMEOUT = 600
 SERVER = "http://bwstack-build.invalid"  # reached through http_proxy (the build server), never resolved
+TOOLKIT_ROOT = "/toolkit"  # the toolkit stage's output, copied into the runtime stage's /
+BASE_CUDA = "/usr/local/cuda"  # a base image's own toolkit, used as is
 
 
 def log(message: str) -> None:
@@ -176,29 +178,35 @@ def step_layer(step: Step, requirements: str) -> None:
 def step_toolkit(step: Step, keyfile: str) -> None:
     with open(keyfile, encoding="utf-8") as handle:
         key = json.load(handle)
-    os.makedirs("/toolkit", exist_ok=True)
-    if os.path.lexists("/usr/local/cuda"):
-        nvcc = "/usr/local/cuda/bin/nvcc"
+    os.makedirs(TOOLKIT_ROOT, exist_ok=True)
+    if os.path.lexists(BASE_CUDA):
+        nvcc = os.path.join(BASE_CUDA, "bin", "nvcc")
         version = ""
         if os.path.exists(nvcc):
             out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False).stdout
             version = out.strip().splitlines()[-1] if out.strip() else ""
         log(
-            f"the base image has a CUDA toolkit at /usr/local/cuda -> {os.path.realpath('/usr/local/cuda')} "
+            f"the base image has a CUDA toolkit at {BASE_CUDA} -> {os.path.realpath(BASE_CUDA)} "
             f"({version or 'no nvcc'}); not installing one (bwstack verify checks it against the lock)"
         )
         return
     home = key["home"]
-    files = [f for _, f, _ in requirement_files(step, os.path.join(os.path.dirname(keyfile), key["requirements"]))]
-    step.fetch_wheels(files)
+    lines = requirement_files(step, os.path.join(os.path.dirname(keyfile), key["requirements"]))
+    step.fetch_wheels([f for _, f, _ in lines])
     lock = os.path.join(step.tmp, "stack.lock.yaml")
     download(f"{step.server}/lock.yaml", lock)
-    prefix = "/toolkit" + home
-    step.bwstack(
+    prefix = TOOLKIT_ROOT + home
+    args = [
         "--lock", lock, "cuda", "install", "--profile", key["profile"], "--prefix", prefix,
         "--root", os.path.join(step.tmp, "root"), "--wheelhouse", step.wheelhouse, "--offline",
-    )  # fmt: skip
-    link = "/toolkit/usr/local/cuda"
+    ]  # fmt: skip
+    # The toolkit's own share of the operator's --allow-unhashed (a build arg of this stage alone, so a change to
+    # the env's names does not rebuild the toolkit).
+    allowed = set(os.environ.get("BWSTACK_ALLOW_UNHASHED_TOOLKIT", "").split())
+    for name in sorted(allowed & {name for name, _, hashed in lines if not hashed}):
+        args += ["--allow-unhashed", name]
+    step.bwstack(*args)
+    link = os.path.join(TOOLKIT_ROOT, "usr", "local", "cuda")
     os.symlink(os.path.basename(home), link)
     log(f"CUDA {key['cuda_version']} from PyPI wheels at {home}; /usr/local/cuda -> {os.path.basename(home)}")
 

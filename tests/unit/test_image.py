@@ -637,6 +637,59 @@ def test_the_step_script_installs_a_layer_through_the_server_and_checks_hashes(t
         assert server.refused == 0
 
 
+# The step script as the toolkit stage runs it, its two paths pointed into the test's folder (module constants).
+STEP_DRIVER = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("step", sys.argv[1])
+step = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(step)
+step.TOOLKIT_ROOT, step.BASE_CUDA = sys.argv[2], sys.argv[3]
+step.main(["toolkit", sys.argv[4]])
+"""
+
+
+@needs_py312
+@pytest.mark.network
+def test_the_toolkit_step_passes_the_toolkits_allow_unhashed_names_to_cuda_install(tmp_path, tool, ci_wheelhouse):
+    """A toolkit wheel the lock has no sha256 for, allowed by the operator: the host gathers it, and the step
+    inside the image passes the name on to `bwstack cuda install` (it used to be refused there, in Docker)."""
+    from bwstack.provision.envbuild import find_python
+
+    text = CI_LOCK.read_text()
+    line = text.index("sha256: ", text.index("- file: nvidia_cuda_crt-"))
+    source = text.index("hash_source: ", line)
+    lock_path = tmp_path / "unhashed.lock.yaml"
+    lock_path.write_text(
+        text[:line] + "sha256: null" + text[text.index("\n", line) : source]
+        + "hash_source: 'missing: taken out for this test'" + text[text.index("\n", source) :]
+    )  # fmt: skip
+    lock = load_lock(lock_path)
+    profile = lock.profile(None)
+    staged = context.stage_context(lock, profile, tmp_path / "ctx", DOCKER / "Dockerfile")
+    assert "needs --allow-unhashed" in (tmp_path / "ctx/inputs/toolkit/cuda-toolkit.txt").read_text()
+    found = image_wheels.gather_wheels(staged.toolkit_selection, [ci_wheelhouse], offline=True, store=tmp_path / "s",
+                                       allow_unhashed=["nvidia-cuda-crt"], log=lambda m: None)  # fmt: skip
+    args = image_labels.build_args(lock, profile, "base", "0" * 64, tool, ["nvidia-cuda-crt", "requests"])
+    assert args["BWSTACK_ALLOW_UNHASHED_TOOLKIT"] == "nvidia-cuda-crt"  # the env's names stay out of its key
+    files = {f"/wheels/{n}": p for n, p in found.items()} | {"/tool.tar": tool.path, "/lock.yaml": lock_path}
+    keyfile = tmp_path / "ctx/inputs/toolkit/toolkit.json"
+    home = json.loads(keyfile.read_text())["home"].lstrip("/")
+    runs = {}
+    with image_server.BuildServer("127.0.0.1", 0, files, {}, image_server.new_build_token()) as server:
+        for allowed, root in (("", tmp_path / "refused"), (args["BWSTACK_ALLOW_UNHASHED_TOOLKIT"], tmp_path / "ok")):
+            env = {**os.environ, "http_proxy": server.proxy_url, "BWSTACK_TOOL_DIGEST": tool.digest,
+                   "BWSTACK_ALLOW_UNHASHED_TOOLKIT": allowed}  # fmt: skip
+            command = [find_python("3.12"), "-c", STEP_DRIVER, str(DOCKER / "bwstack-step.py"), str(root),
+                       str(tmp_path / "no-base-toolkit"), str(keyfile)]  # fmt: skip
+            runs[root.name] = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    refused, ok = runs["refused"], runs["ok"]
+    assert refused.returncode != 0 and "nvidia-cuda-crt" in refused.stderr, refused.stdout + refused.stderr
+    assert not (tmp_path / "refused" / home / "bin/nvcc").exists()
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert (tmp_path / "ok" / home / "bin/nvcc").is_file()
+    assert os.readlink(tmp_path / "ok/usr/local/cuda") == Path(home).name
+
+
 # ------------------------------------------------------------------------------------------------ checks
 
 

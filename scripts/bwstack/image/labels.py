@@ -47,6 +47,8 @@ def build_args(lock, profile, base: str, step_sha256: str, tool, allow: Iterable
         "BWSTACK_TOOL_DIGEST": tool.digest,
         "BWSTACK_PYTHON": profile.python,
         "BWSTACK_ALLOW_UNHASHED": " ".join(sorted(allow)),
+        # The toolkit stage's share: its cache key then moves only with the toolkit's own names.
+        "BWSTACK_ALLOW_UNHASHED_TOOLKIT": " ".join(sorted(set(allow) & set(profile.require_closure().cuda_toolkit))),
         "BWSTACK_PATCHES": " ".join(profile.patches),
         "BWSTACK_FLASHINFER_ARCH": f"{profile.expect.target_capability}a",
         "BWSTACK_PROFILE": profile.name,
