@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import os
 import shutil
 import struct
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from bwstack.probe import interp
 from bwstack.probe import main as probe
 from bwstack.probe.serveplan import node
 
@@ -99,6 +101,36 @@ def test_a_simulated_job_device_is_the_target_described(tmp_path: Path):
 def test_a_missing_env_is_an_observation_error_not_a_crash(tmp_path: Path):
     observed = node.observe(tmp_path / "no-env", DEVICE, [{"id": "m", "model": "gpt-oss-20b", "tp": 8}])
     assert observed.error == f"no env at {tmp_path / 'no-env'}: no bin/python"
+
+
+def _base_nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def test_work_handed_to_yielding_runs_at_a_lower_priority_and_what_it_starts_inherits_it():
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        child = pool.submit(interp.yielding, subprocess.check_output, ["sh", "-c", "ps -o ni= -p $$"]).result()
+    assert int(child) == min(19, _base_nice() + interp.YIELDING_NICE)
+    assert os.getpriority(os.PRIO_PROCESS, 0) == _base_nice()  # the caller's own thread is left as it was
+
+
+def test_the_planners_interpreter_keeps_the_callers_priority_and_the_file_reads_beside_it_yield(tmp_path: Path):
+    """A fake env whose interpreter logs the priority it runs at: the planner (inenv.py) at the caller's, the
+    interpreter the kernel facts start beside it (the CUDA facts' `python -c`) at the lowered one."""
+    (tmp_path / "env/lib/python3.12/site-packages").mkdir(parents=True)
+    (tmp_path / "env/bin").mkdir()
+    log = tmp_path / "priorities.log"
+    fake = tmp_path / "env/bin/python"
+    fake.write_text(
+        "#!/bin/sh\n"
+        f'ni=$(ps -o ni= -p $$); case "$*" in *inenv.py*) echo "planner $ni" >> {log}; '
+        f'echo \'{node.MARKER}{{"observations": []}}\';; *) echo "other $ni" >> {log};; esac\n'
+    )
+    fake.chmod(0o755)
+    observed = node.observe(tmp_path / "env", DEVICE, [{"id": "m", "model": "gpt-oss-20b", "tp": 8}])
+    assert observed.error is None, observed.error
+    seen = {line.split()[0]: int(line.split()[1]) for line in log.read_text().splitlines()}
+    assert seen == {"planner": _base_nice(), "other": min(19, _base_nice() + interp.YIELDING_NICE)}
 
 
 def _extension_needing_libcuda(sp: Path, libs: Path) -> None:

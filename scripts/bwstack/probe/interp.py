@@ -7,13 +7,18 @@ live in five modules disagreed about what to drop.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import tempfile
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from importlib import resources
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 # What would make a child interpreter load other code than the env's (or run a user's start-up file).
 ISOLATING = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONPYCACHEPREFIX")
@@ -48,6 +53,19 @@ def run(cmd: list[str], timeout: int = 120, env: Mapping[str, str] | None = None
     except OSError as exc:
         return 126, "", f"{cmd[0]}: {exc.strerror or exc}"
     return out.returncode, out.stdout, out.stderr
+
+
+YIELDING_NICE = 10
+
+
+def yielding(fn: Callable[..., T], *args: object) -> T:
+    """fn(*args) in this thread, its CPU priority lowered first (what it starts inherits it), for work beside the
+    run's longest path: a verify's SGLang planner, seconds of imports on a node of few cores, which the import
+    checks and the file reads beside it held back by a second. Call it in a thread of its own (a pool's): a
+    thread's priority cannot be raised again without privilege. Where it cannot be lowered, fn runs as it is."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), YIELDING_NICE)
+    return fn(*args)
 
 
 def private_folder(parent: Path) -> str:

@@ -748,9 +748,9 @@ def collect(
     stand_in = StandInLibcuda(sp)
     try:
         # Leaving the pool waits for its workers, even on an error here: none still uses the stand-in when it goes.
-        with ThreadPoolExecutor(max_workers=2) as pool:
+        with ThreadPoolExecutor(max_workers=3) as pool:
             pending = (
-                pool.submit(import_facts, env, sp, facts["gpu"]["present"], stand_in)
+                pool.submit(interp.yielding, import_facts, env, sp, facts["gpu"]["present"], stand_in)
                 if imports and reused is None
                 else None
             )
@@ -783,7 +783,12 @@ def collect(
                 facts["elf"], facts["fatbin"], facts["features"] = static["elf"], static["fatbin"], static["features"]
                 lap("static facts (recorded)")
             else:
-                facts.update(static_facts(env, sp, capability, facts["env"].get("torch_version_py") or {}))
+                torch_version = facts["env"].get("torch_version_py") or {}
+                if planning is not None:  # beside the planner's interpreter, which is the longer path
+                    reading = pool.submit(interp.yielding, static_facts, env, sp, capability, torch_version)
+                    facts.update(reading.result())
+                else:
+                    facts.update(static_facts(env, sp, capability, torch_version))
                 lap("elf, fatbin, features")
                 if reusable:
                     sealed.save_static_again(env, capability, {**facts["env"], **facts})

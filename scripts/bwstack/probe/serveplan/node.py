@@ -19,6 +19,7 @@ import stat
 import subprocess
 import tempfile
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TypedDict
@@ -401,16 +402,20 @@ def _jit_cache(sp: Path, capability: str) -> dict | None:
     return {"files": len(libs), "covering": len(covering)}
 
 
-def kernel_facts(env: Path, capability: str, sgl_kernel_ops: str | None = None, cuda: dict | None = None) -> dict:
-    """What the env's files say about kernels for GPUs of `capability`, for every source a path can use."""
+def _expected_ops(sgl: Path, capability: str) -> Path | None:
+    """The common_ops sgl_kernel/__init__ loads: sm90/ on capability 9.0, sm100/ on any other."""
+    return _first(list((sgl / ("sm90" if capability == "9.0" else "sm100")).glob("common_ops*.so")))
+
+
+def file_kernel_facts(env: Path, capability: str, cuda: dict | None = None) -> dict:
+    """What the env's files say about kernels for GPUs of `capability`, for every source a path can use. Read
+    from the files alone, so that they can be read while the planner runs: sgl-kernel's common_ops is the one its
+    __init__ picks for `capability` (with_loaded_ops puts the one the planner's interpreter loaded in its place)."""
     sp = envinspect.site_packages(Path(env))
     facts: dict = {"capability": capability}
     sgl = sp / "sgl_kernel"
     if sgl.is_dir():
-        ops = Path(sgl_kernel_ops) if sgl_kernel_ops else None
-        if ops is None:  # sgl_kernel/__init__ loads sm90/ on capability 9.0, sm100/ on any other
-            variant = "sm90" if capability == "9.0" else "sm100"
-            ops = _first(list((sgl / variant).glob("common_ops*.so")))
+        ops = _expected_ops(sgl, capability)
         facts["sgl_kernel"] = {
             "common_ops": _coverage(ops, capability) if ops else None,
             "flash_ops": _coverage(p, capability) if (p := _first(list(sgl.glob("flash_ops*.so")))) else None,
@@ -431,6 +436,17 @@ def kernel_facts(env: Path, capability: str, sgl_kernel_ops: str | None = None, 
     facts["torch"] = _coverage(torch_cuda, capability) if torch_cuda.is_file() else None
     facts["nvcc"] = cuda if cuda is not None else probe.cuda_facts(Path(env), capability)
     return facts
+
+
+def with_loaded_ops(facts: dict, env: Path, capability: str, sgl_kernel_ops: str | None) -> dict:
+    """file_kernel_facts() with the coverage of the common_ops the planner's interpreter loaded (`sgl_kernel_ops`;
+    not known: the one sgl_kernel/__init__ picks, already there)."""
+    if "sgl_kernel" not in facts or not sgl_kernel_ops:
+        return facts
+    if Path(sgl_kernel_ops) == _expected_ops(envinspect.site_packages(Path(env)) / "sgl_kernel", capability):
+        return facts
+    loaded = _coverage(Path(sgl_kernel_ops), capability)
+    return {**facts, "sgl_kernel": {**facts["sgl_kernel"], "common_ops": loaded}}
 
 
 # ------------------------------------------------------------------------------------------------ fix-search hints
@@ -713,14 +729,18 @@ def observe(
     if not (env / "bin" / "python").exists():
         result.error = f"no env at {env}: no bin/python"
         return result
-    inenv = run_inenv(env, device, list(requests), stand_in=stand_in)
-    result.loaded = inenv.pop("loaded", None)
-    result.inenv = inenv
-    if inenv.get("error"):
-        result.error = inenv["error"]
     sp = envinspect.site_packages(env)
-    result.kernels = kernel_facts(env, device.capability, inenv.get("sgl_kernel_ops"), cuda)
-    result.features = features.report(sp, device.capability)
+    # The env's files are read beside the planner's interpreter (seconds of SGLang's imports), not after it.
+    with ThreadPoolExecutor(max_workers=1) as beside:
+        files = beside.submit(interp.yielding, file_kernel_facts, env, device.capability, cuda)
+        feats = beside.submit(interp.yielding, features.report, sp, device.capability)
+        inenv = run_inenv(env, device, list(requests), stand_in=stand_in)
+        result.loaded = inenv.pop("loaded", None)
+        result.inenv = inenv
+        if inenv.get("error"):
+            result.error = inenv["error"]
+        result.kernels = with_loaded_ops(files.result(), env, device.capability, inenv.get("sgl_kernel_ops"))
+        result.features = feats.result()
     return result
 
 
