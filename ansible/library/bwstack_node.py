@@ -60,6 +60,12 @@ options:
     description: For cuda, the install prefix (empty for the profile's cuda.home).
     type: str
     default: ""
+  take_over_links:
+    description:
+      - For build and rollback, let the store re-point an ml-env or CUDA link that another store or somebody else
+        made (bwstack's C(--take-over-links)). The roles pass the bwstack role's C(bwstack_take_over_links).
+    type: bool
+    default: false
   sources:
     description:
       - bwstack's source options, handed to it unchanged (each NAME becomes C(--NAME), underscores as dashes; a
@@ -156,6 +162,11 @@ def _source_args(p: dict) -> list[str]:
     return args
 
 
+def _link_args(p: dict) -> list[str]:
+    """For the commands that point the ml-env and CUDA links (build, rollback)."""
+    return ["--take-over-links"] if p["take_over_links"] else []
+
+
 def _profile_args(p: dict) -> list[str]:
     return ["--profile", p["profile"]] if p["profile"] else []
 
@@ -228,7 +239,7 @@ def do_build(r: Runner) -> dict:
     rows = r.generations()
     before = _active(rows)
     if r.module.check_mode:
-        _, plan, _ = r.run("build", *_profile_args(p), *_store_args(p), "--check", "--json")
+        _, plan, _ = r.run("build", *_profile_args(p), *_store_args(p), *_link_args(p), "--check", "--json")
         after = plan.get("target") if plan.get("changed") else before
         return {
             "changed": bool(plan.get("changed")),
@@ -238,7 +249,7 @@ def do_build(r: Runner) -> dict:
             "msg": "; ".join(plan.get("actions") or []) or "nothing to do",
             "diff": {"before": _state(p["ml_env"], before), "after": _state(p["ml_env"], after, plan.get("actions"))},
         }
-    _, result, err = r.run("build", *_profile_args(p), *_store_args(p), *_source_args(p), "--json")
+    _, result, err = r.run("build", *_profile_args(p), *_store_args(p), *_link_args(p), *_source_args(p), "--json")
     return {
         "changed": bool(result.get("changed")),
         "switched": result.get("active") != before,
@@ -259,7 +270,7 @@ def do_rollback(r: Runner) -> dict:
     p = r.p
     rows = r.generations()
     before = _active(rows)
-    args = ["rollback", *_store_args(p), "--json"]
+    args = ["rollback", *_store_args(p), *_link_args(p), "--json"]
     if p["to"]:
         args += ["--to", p["to"]]
     elif p["profile"]:
@@ -350,6 +361,7 @@ def main() -> None:
             "cuda_link": {"type": "str", "required": True},
             "prefix": {"type": "str", "default": ""},
             "sources": {"type": "dict", "default": {}, "options": SOURCE_OPTIONS},
+            "take_over_links": {"type": "bool", "default": False},
         },
         supports_check_mode=True,
     )

@@ -74,6 +74,7 @@ NOT_IN_THE_RECEIPT = {
     "bwstack_controller_cache": "the controller's scratch directory",
     "bwstack_controller_facts_args": "what a task asks the controller",
     "bwstack_converged_check": "whether to ask at all",
+    "bwstack_take_over_links": "a permission used only where a link is not the store's, which a converged node's are",
     "bwstack_mlenv_rollback_to": "rollback.yml only",
     "bwstack_mlenv_rollback_profile": "rollback.yml only",
     "bwstack_mlenv_rollback_rebuild": "rollback.yml only",
@@ -199,6 +200,36 @@ def test_the_module_hands_index_mirrors_to_bwstack_in_its_environment_never_on_i
     assert calls and all("S3CRET" not in " ".join(argv) for argv, _ in calls)
     assert any(env == mirror for argv, env in calls if "build" in argv)
     assert "S3CRET" not in result.out
+
+
+@needs_ansible
+def test_the_module_passes_take_over_links_to_build_and_rollback_only_when_asked(tmp_path):
+    seen = tmp_path / "seen.json"
+    stand_in = tmp_path / "bwstack"
+    stand_in.write_text(
+        f"#!{sys.executable}\n"
+        "import json, sys\n"
+        f"open({str(seen)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+        "print('[]' if 'generations' in sys.argv else json.dumps({'changed': False, 'actions': []}))\n"
+    )
+    stand_in.chmod(0o755)
+    (tmp_path / "root" / "generations").mkdir(parents=True)
+    inventory = local_inventory(tmp_path / "hosts.yml")
+    for action in ("build", "rollback"):
+        for take in (False, True):
+            args = {
+                "action": action, "bwstack": str(stand_in), "lock": str(tmp_path / "lock"),
+                "root": str(tmp_path / "root"), "ml_env": str(tmp_path / "env"), "cuda_link": "none",
+                "take_over_links": take,
+            }  # fmt: skip
+            seen.unlink(missing_ok=True)
+            result = run([tool("ansible"), "bwstack_nodes", "-i", str(inventory), "-m", "bwstack_node", "-a",
+                          json.dumps(args)])  # fmt: skip
+            assert result.rc == 0, result.out[-2000:]
+            calls = [json.loads(line) for line in seen.read_text().splitlines()]
+            acting = [argv for argv in calls if action in argv]
+            assert acting and all(("--take-over-links" in argv) == take for argv in acting), calls
+            assert not any("--take-over-links" in argv for argv in calls if "generations" in argv)
 
 
 # ------------------------------------------------------------------------------------------------ provision CLI
@@ -346,6 +377,19 @@ def test_the_fleet_takes_typed_settings_and_passes_only_what_was_given():
         "/srv/ml-env", "none", ["torchaudio"],
     )  # fmt: skip
     assert got["bwstack_offline"] is True and got["bwstack_verify_skip"] == ["nvcc=no nvcc"]
+    assert "bwstack_take_over_links" not in got  # the inventory's, unless the command line gives it
+    taking = playbooks._common_vars(PlaybookSettings(lock="stack.lock.yaml", store=StoreSettings(take_over_links=True)))
+    assert taking["bwstack_take_over_links"] is True
+
+
+@pytest.mark.parametrize("command", [["provision"], ["rollback", "--target", "local://"]])
+def test_the_fleet_commands_carry_take_over_links_to_the_nodes(command):
+    """A node's link error tells the user to pass --take-over-links: the commands that run the playbooks take it."""
+    from bwstack.cli import options
+    from bwstack.cli.main import build_parser
+
+    args = build_parser().parse_args(["--lock", "stack.lock.yaml", *command, "--take-over-links"])
+    assert playbooks._common_vars(options.playbook_settings(args))["bwstack_take_over_links"] is True
 
 
 def test_controller_facts_give_each_profiles_preflight_requirements_and_toolkit(real_lock_path: Path):

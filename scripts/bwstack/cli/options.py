@@ -417,7 +417,10 @@ def playbook_settings(args: argparse.Namespace):
         lock=args.lock,
         target=TargetSettings(args.target, ssh_options(args)),
         store=StoreSettings(
-            getattr(args, "root", None), getattr(args, "ml_env", None), getattr(args, "cuda_link", None)
+            getattr(args, "root", None),
+            getattr(args, "ml_env", None),
+            getattr(args, "cuda_link", None),
+            bool(getattr(args, "take_over_links", False)),
         ),
         sources=SourceSettings(
             wheelhouse=tuple(getattr(args, "wheelhouse", None) or ()),

@@ -342,6 +342,8 @@ def _common_vars(settings: PlaybookSettings) -> dict:
         out["bwstack_verify_skip"] = list(settings.waivers)
     if sources.offline:
         out["bwstack_offline"] = True
+    if store.take_over_links:
+        out["bwstack_take_over_links"] = True
     return out
 
 

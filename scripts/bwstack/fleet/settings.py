@@ -26,11 +26,13 @@ class SourceSettings:
 
 @dataclass(frozen=True)
 class StoreSettings:
-    """The store on the targets: --root, --ml-env, --cuda-link (None: the inventory's or the roles' default)."""
+    """The store on the targets: --root, --ml-env, --cuda-link (None: the inventory's or the roles' default), and
+    --take-over-links (False: the inventory's or the roles' default)."""
 
     root: str | None = None
     ml_env: str | None = None
     cuda_link: str | None = None
+    take_over_links: bool = False
 
 
 @dataclass(frozen=True)

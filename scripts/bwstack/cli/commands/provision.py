@@ -37,6 +37,11 @@ def add_options(p: argparse.ArgumentParser) -> None:
         help="run every role even on a node that is as the last run from the same inputs left it (which only verifies)",
     )
     options.add_store(p, on_targets=True)
+    p.add_argument(
+        "--take-over-links",
+        action="store_true",
+        help="let the targets' store re-point an ml-env or CUDA link that another store or somebody else made",
+    )
     options.add_sources(p, on_targets=True)
     options.add_waivers(p)
     options.add_extra_vars(p)

@@ -14,7 +14,7 @@ NAME = "rollback"
 HELP = "switch back to a verified generation"
 # The rollback playbook gets the store, source and waiver options (options.playbook_settings); the role decides
 # the rest on the node.
-UNREAD = (options.Unread("target", ignores=("take_over_links", "verify", "python", "json")),)
+UNREAD = (options.Unread("target", ignores=("verify", "python", "json")),)
 # Wheels are fetched only to rebuild. A rollback here given source options without --rebuild says it reads none,
 # and goes on: it is the emergency path, and a controller's older module passes them to every rollback.
 SOURCE_OPTIONS = ("wheelhouse", "index", "offline", "ca_bundle", "allow_unhashed", "python")
