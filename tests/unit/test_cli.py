@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import stat
@@ -380,21 +381,26 @@ REQUIREMENT = (
 )
 
 
-def _env_install(tmp_path: Path, *extra: str, env: dict | None = None):
+def _env_install(tmp_path: Path, *extra: str, env: dict | None = None, offline: bool = True):
     """`env install` of one locked wheel, offline with no wheelhouse: a run that gets past its checks fails at
-    the fetch (exit 1, "is in no wheelhouse"), so exit 2 says the value was refused before anything ran."""
+    the fetch (exit 1, "is in no wheelhouse"), so exit 2 says the value was refused before anything ran. Not
+    offline for a bad --index (an offline run reads none): its check refuses the value before any download."""
     requirements = tmp_path / "r.txt"
     requirements.write_text(REQUIREMENT + "\n")
     store = tmp_path / "store"
     store.mkdir(mode=0o700, exist_ok=True)
-    args = ["env", "install", "--requirements", str(requirements), "--store", str(store), "--offline"]
+    args = ["env", "install", "--requirements", str(requirements), "--store", str(store)]
+    args += ["--offline"] if offline else []
     if "--into" not in extra:
         args += ["--into", str(tmp_path / "env")]
     return bwstack(*args, *extra, env=env)
 
 
 def test_env_install_gets_past_its_checks_to_the_fetch_with_good_values(tmp_path):
-    result = _env_install(tmp_path, "--python-version", "3.12", "--index", "pypi=https://mirror.example/simple")
+    # (a mirror in BWSTACK_INDEX: an offline run given --index refuses it as unread)
+    result = _env_install(
+        tmp_path, "--python-version", "3.12", env={"BWSTACK_INDEX": "pypi=https://mirror.example/simple"}
+    )
     assert result.returncode == 1 and "is in no wheelhouse and the run is offline" in result.stderr
 
 
@@ -440,7 +446,7 @@ def test_fetch_and_env_install_refuse_the_same_bad_index_with_the_same_line(tmp_
     if command == "fetch":
         result = bwstack("fetch", "--dest", str(tmp_path / "dest"), "--index", mirror)  # refused before any download
     else:
-        result = _env_install(tmp_path, "--index", mirror)
+        result = _env_install(tmp_path, "--index", mirror, offline=False)
     assert result.returncode == 2
     assert result.stderr == f"bwstack: error: --index {mirror!r}: expected NAME=https://mirror/simple\n"
 
@@ -566,6 +572,24 @@ UNREAD_CASES = [
     (["serve-plan", "--env", "/nonexistent/env", "--ml-env", "/nonexistent/m"], "--ml-env is not read with --env"),
     (["patch", "apply", "--root", "/nonexistent/root"], "unrecognized arguments: --root"),
     (["plan", "--root", "/nonexistent/root"], "unrecognized arguments: --root"),
+    (
+        ["build", "--offline", "--index", "pypi=https://127.0.0.1:1/simple"],
+        "--index is not read with --offline",
+    ),
+    (
+        [
+            "env",
+            "install",
+            "--requirements",
+            str(REAL_LOCK),
+            "--into",
+            "/nonexistent/env",
+            "--offline",
+            "--index",
+            "pypi=https://127.0.0.1:1/simple",
+        ],
+        "--index is not read with --offline",
+    ),
     (["rollback", "--target", "ssh://127.0.0.1:1", "--verify", "full"], "--verify is not read with --target"),
     (["rollback", "--target", "ssh://127.0.0.1:1", "--json"], "--json is not read with --target"),
 ]
@@ -600,8 +624,10 @@ def test_every_unread_rule_names_options_its_command_has():
     sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
     ruled = 0
     for command in modules():
-        dests = {a.dest for a in sub.choices[command.NAME]._actions}
-        actions = {a.dest: a for a in sub.choices[command.NAME]._actions}
+        top = sub.choices[command.NAME]
+        nested = [p for a in top._actions if isinstance(a, argparse._SubParsersAction) for p in a.choices.values()]
+        actions = {a.dest: a for p in (top, *nested) for a in p._actions}  # a nested command's own (env install)
+        dests = set(actions)
         for rule in getattr(command, "UNREAD", ()):
             dest, _, value = rule.mode.partition("=")
             named = {dest, *(rule.reads or ()), *rule.ignores}

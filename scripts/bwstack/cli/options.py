@@ -134,7 +134,7 @@ def _option_names(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     `--archive`) never lends its name."""
     names: dict[str, str] = {}
     command = getattr(args, "command", None)
-    for current in ([_subparser(parser, command)] if command else []) + [parser]:
+    for current in ([_command_parser(parser, args)] if command else []) + [parser]:
         for action in current._actions:
             if action.dest not in names and not isinstance(action, argparse._SubParsersAction):
                 names[action.dest] = max(action.option_strings, key=len) if action.option_strings else action.dest
@@ -162,7 +162,7 @@ def refuse_unread(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     rules: tuple[Unread, ...] = getattr(args, "unread", ())
     if not rules:
         return
-    actions = [a for a in _subparser(parser, args.command)._actions if a.dest != "help"]
+    actions = [a for a in _command_parser(parser, args)._actions if a.dest != "help"]
     shown = _option_names(parser, args)
     given = [a.dest for a in actions if getattr(args, a.dest, a.default) != a.default]
     for rule in rules:
@@ -178,6 +178,17 @@ def refuse_unread(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
             if rule.absent:
                 raise UsageError(f"{name} is read only with {mode}: add {mode} or leave {name} out")
             raise UsageError(f"{name} is not read with {mode}: leave it out")
+
+
+def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the command this line runs: `env install`'s, not `env`'s, whose only option is the choice."""
+    current = _subparser(parser, args.command)
+    while True:
+        nested = next((a for a in current._actions if isinstance(a, argparse._SubParsersAction)), None)
+        chosen = getattr(args, nested.dest, None) if nested is not None else None
+        if nested is None or chosen not in nested.choices:
+            return current
+        current = nested.choices[chosen]
 
 
 def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:

@@ -9,6 +9,7 @@ from bwstack.cli.console import Console
 
 NAME = "build"
 HELP = "back up, build the profile's generation, switch"
+UNREAD = (options.Unread("offline", ignores=("index",)),)  # an offline build reaches no mirror
 
 
 def add_options(p: argparse.ArgumentParser) -> None:

@@ -12,6 +12,7 @@ from bwstack.errors import UsageError
 
 NAME = "env"
 HELP = "low-level env operations"
+UNREAD = (options.Unread("offline", ignores=("index",)),)  # an offline install reaches no mirror
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
