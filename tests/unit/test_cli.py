@@ -459,6 +459,30 @@ def test_env_install_checks_the_mirrors_in_bwstack_index_as_fetch_does(tmp_path)
     )
 
 
+def test_rollback_target_takes_a_wheelhouse_on_the_hosts_as_provision_does():
+    """--target's --wheelhouse and --ca-bundle name paths on the hosts: this machine need not have them."""
+    from bwstack.cli import options
+    from bwstack.cli.main import build_parser
+    from bwstack.fleet import playbooks
+
+    for command in (["provision"], ["rollback", "--target", "ssh://node", "--rebuild"]):
+        argv = ["--lock", "stack.lock.yaml", *command, "--wheelhouse", "/srv/on-the-node", "--ca-bundle", "/node.pem"]
+        got = playbooks._common_vars(options.playbook_settings(build_parser().parse_args(argv)))
+        assert (got["bwstack_wheelhouse"], got["bwstack_ca_bundle"]) == (["/srv/on-the-node"], "/node.pem")
+
+
+@pytest.mark.parametrize(
+    ("option", "says"),
+    [("--wheelhouse", "no such directory"), ("--ca-bundle", "no such file")],
+)
+def test_a_rollback_here_that_rebuilds_refuses_source_paths_this_machine_lacks(tmp_path, option, says):
+    result = bwstack("--lock", str(REAL_LOCK), "rollback", "--root", str(tmp_path / "store"), "--rebuild",
+                     option, str(tmp_path / "missing"))  # fmt: skip
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == f"bwstack: error: argument {option}: '{tmp_path / 'missing'}': {says}\n"
+    assert not (tmp_path / "store").exists()
+
+
 UNREACHABLE = ["--target", "ssh://127.0.0.1:1", "--check"]  # port 1: nothing listens, should anything try
 
 

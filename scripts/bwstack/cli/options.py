@@ -319,6 +319,19 @@ def add_sources(
         p.add_argument("--python", help="interpreter for new envs (default: pythonX.Y of the profile)")
 
 
+def check_sources_here(args: argparse.Namespace) -> None:
+    """The source options' paths checked as add_sources checks them while parsing, for a command that takes them
+    unchecked because in another mode they name paths on the targets (`rollback --target`)."""
+    checks = (("wheelhouse", "--wheelhouse", existing_dir), ("ca_bundle", "--ca-bundle", existing_file))
+    for dest, flag, check in checks:
+        given = getattr(args, dest, None)
+        for value in given if isinstance(given, list) else [given] if given else []:
+            try:
+                check(value)
+            except argparse.ArgumentTypeError as exc:
+                raise UsageError(f"argument {flag}: {exc}") from None
+
+
 def add_target(p: Container, *, default: str | None, help: str) -> None:
     p.add_argument("--target", default=default, help=help)
 

@@ -27,7 +27,8 @@ TARGET_HELP = (
 
 def add_options(p: argparse.ArgumentParser) -> None:
     options.add_node(p, take_over_links=True, verify=True)
-    options.add_sources(p, python=True)
+    # Unchecked while parsing: with --target they are paths on the hosts (run() checks them here otherwise).
+    options.add_sources(p, python=True, checked=False)
     group = p.add_mutually_exclusive_group()
     group.add_argument("--to", help="generation id or name")
     options.add_profile(group, help="the newest generation of this profile")
@@ -60,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
     unread = [f"--{o.replace('_', '-')}" for o in SOURCE_OPTIONS if getattr(args, o, None) and not args.rebuild]
     if unread:
         console.note(f"note: {', '.join(unread)} not read: without --rebuild a rollback fetches no wheel")
+    if args.rebuild:
+        options.check_sources_here(args)
     lock = load_lock(args.lock)
     layout = options.layout(args)
     options.apply_ca_bundle(args)
