@@ -769,8 +769,29 @@ _DOCKER_OK, _DOCKER_WHY = daemon.daemon_available()
 needs_docker = pytest.mark.skipif(not _DOCKER_OK, reason=_DOCKER_WHY)
 
 
+def _image_ids() -> set[str]:
+    listed = subprocess.run(["docker", "images", "-a", "-q", "--no-trunc"], capture_output=True, text=True, timeout=60)
+    return set(listed.stdout.split()) if listed.returncode == 0 else set()
+
+
 @pytest.fixture(scope="session")
-def ci_base() -> str:
+def images_made_here():
+    """The images this session's builds make go when it ends: each build leaves its stages' images (kept for a
+    later --cache-from) and the tag it moves leaves the last run's image untagged, about 3 GB a run on a
+    developer's daemon. Images that were there before are kept, and so are the CI base and node images this
+    session makes (debootstrap, minutes), which the next session reuses."""
+    before = _image_ids()
+    yield
+    made = _image_ids() - before
+    for image in sorted(made):
+        tags = subprocess.run(["docker", "image", "inspect", "--format", "{{json .RepoTags}}", image],
+                              capture_output=True, text=True, timeout=60).stdout  # fmt: skip
+        if CI_BASE not in tags and '"bwstack-ci-' not in tags:  # the CI base and node images stay
+            subprocess.run(["docker", "image", "rm", "--force", image], capture_output=True, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def ci_base(images_made_here) -> str:
     if os.geteuid() != 0 or not shutil.which("debootstrap"):
         pytest.skip("the CI base needs root and debootstrap (apt-get install debootstrap)")
     result = subprocess.run(["bash", str(DOCKER / "ci-base.sh")], capture_output=True, text=True, timeout=900,
