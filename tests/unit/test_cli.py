@@ -577,6 +577,14 @@ UNREAD_CASES = [
     (["preflight", "--take-over-links"], "unrecognized arguments: --take-over-links"),
     (["preflight", "--verify", "full"], "unrecognized arguments: --verify full"),
     (["waivers", "--take-over-links"], "unrecognized arguments: --take-over-links"),
+    (["waivers", "--ml-env", "/nonexistent/m"], "unrecognized arguments: --ml-env /nonexistent/m"),
+    (["cuda", "install", "--cuda-link", "/nonexistent/c"], "unrecognized arguments: --cuda-link /nonexistent/c"),
+    (["cuda", "install", "--python", "python3"], "unrecognized arguments: --python python3"),
+    (
+        ["controller-facts", "--wheel", "/nonexistent/w.whl", "--wheel-dir", "/nonexistent/d"],
+        "--wheel-dir is not read with --wheel",
+    ),
+    (["preflight", "--cuda-link", "/nonexistent/c"], "unrecognized arguments: --cuda-link /nonexistent/c"),
     (["restore", "/nonexistent/a.tar", "--verify", "full"], "unrecognized arguments: --verify full"),
     (["accept", "--no-runtime", "--env", "/nonexistent/env"], "--env is not read with --no-runtime"),
     (

@@ -220,9 +220,12 @@ def add_profile(p: Container, help: str | None = "the lock's profile (default: i
     p.add_argument("--profile", help=help)
 
 
-def add_store(p: Container, *, cuda_link: bool = True, hidden: bool = False, on_targets: bool = False) -> None:
+def add_store(
+    p: Container, *, cuda_link: bool = True, hidden: bool = False, on_targets: bool = False, env_links: bool = True
+) -> None:
     """--root and --ml-env (and --cuda-link): where the store and the env users run are. `hidden` for
-    commands that accept them only to find the active env; `on_targets` for playbook runs."""
+    commands that accept them only to find the active env; `on_targets` for playbook runs; `env_links=False`
+    for commands that read the store alone (--root)."""
     if not hidden:
         p = _group(p, "store location")
     if on_targets:
@@ -233,6 +236,8 @@ def add_store(p: Container, *, cuda_link: bool = True, hidden: bool = False, on_
             p.add_argument("--cuda-link", type=plain_path, help=link_help)
         return
     p.add_argument("--root", type=plain_path, help=argparse.SUPPRESS if hidden else STORE_ROOT_HELP)
+    if not env_links:
+        return
     add_ml_env(p, hidden=hidden)
     if cuda_link:
         p.add_argument("--cuda-link", type=plain_path, help=argparse.SUPPRESS if hidden else CUDA_LINK_HELP)
@@ -248,11 +253,11 @@ def add_ml_env(p: Container, *, hidden: bool = False) -> None:
     )
 
 
-def add_node(p: Container, *, take_over_links: bool, verify: bool) -> None:
+def add_node(p: Container, *, take_over_links: bool, verify: bool, env_links: bool = True) -> None:
     """The options of commands that work on this node's store: its location and --json; --take-over-links for
-    those that point links, --verify for those that check a generation against its manifest (a command never
-    takes an option it does not read)."""
-    add_store(p)
+    those that point links, --verify for those that check a generation against its manifest, --ml-env and
+    --cuda-link (`env_links`) for those that read them (a command never takes an option it does not read)."""
+    add_store(p, env_links=env_links)
     add_json(p)
     if take_over_links:
         p.add_argument(
@@ -427,7 +432,7 @@ def layout(args: argparse.Namespace):
 
     return Layout.default(
         getattr(args, "root", None),
-        args.ml_env,
+        getattr(args, "ml_env", None),
         getattr(args, "cuda_link", None),
         getattr(args, "take_over_links", False),
     )

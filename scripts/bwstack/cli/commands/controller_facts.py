@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 
+from bwstack.cli import options
 from bwstack.cli.console import Console
 
 NAME = "controller-facts"
 HELP = "(for the Ansible roles) what the lock says, as JSON"
+UNREAD = (options.Unread("wheel", ignores=("wheel_dir",)),)  # a given wheel is used, none is built
 
 
 def add_options(p: argparse.ArgumentParser) -> None:

@@ -17,8 +17,9 @@ UNREAD = (
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    options.add_node(p, take_over_links=False, verify=False)
-    options.add_sources(p, python=True)
+    # The store's wheel store and cache only: a toolkit is no env, and its home is the profile's (or --prefix).
+    options.add_node(p, take_over_links=False, verify=False, env_links=False)
+    options.add_sources(p)
     p.add_argument("action", choices=["status", "install"])
     options.add_profile(p, help=None)
     p.add_argument("--prefix", help="install prefix (default: the profile's cuda.home)")
