@@ -175,9 +175,9 @@ def test_tasks_where_index_urls_flow_hide_them():
     assert not any("--index-url" in json.dumps(t.get("ansible.builtin.command", {})) for t in tasks)
 
 
-@needs_ansible
-def test_the_module_hands_index_mirrors_to_bwstack_in_its_environment_never_on_its_command_line(tmp_path):
-    """A command line is readable by every user of the node (/proc/PID/cmdline): a mirror's token is not."""
+def _recording_bwstack(tmp_path: Path) -> tuple[Path, Path]:
+    """A stand-in bwstack for the module: it records each command line with its BWSTACK_INDEX and answers as a
+    store with no generation would. (stand-in, its record)"""
     seen = tmp_path / "seen.json"
     stand_in = tmp_path / "bwstack"
     stand_in.write_text(
@@ -188,6 +188,13 @@ def test_the_module_hands_index_mirrors_to_bwstack_in_its_environment_never_on_i
     )
     stand_in.chmod(0o755)
     (tmp_path / "root" / "generations").mkdir(parents=True)
+    return stand_in, seen
+
+
+@needs_ansible
+def test_the_module_hands_index_mirrors_to_bwstack_in_its_environment_never_on_its_command_line(tmp_path):
+    """A command line is readable by every user of the node (/proc/PID/cmdline): a mirror's token is not."""
+    stand_in, seen = _recording_bwstack(tmp_path)
     mirror = "pypi=https://deploy:S3CRET-TOKEN@mirror.example/simple"
     args = {
         "action": "build", "bwstack": str(stand_in), "lock": str(tmp_path / "lock"), "root": str(tmp_path / "root"),
@@ -204,16 +211,7 @@ def test_the_module_hands_index_mirrors_to_bwstack_in_its_environment_never_on_i
 
 @needs_ansible
 def test_the_module_passes_take_over_links_to_build_and_rollback_only_when_asked(tmp_path):
-    seen = tmp_path / "seen.json"
-    stand_in = tmp_path / "bwstack"
-    stand_in.write_text(
-        f"#!{sys.executable}\n"
-        "import json, sys\n"
-        f"open({str(seen)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
-        "print('[]' if 'generations' in sys.argv else json.dumps({'changed': False, 'actions': []}))\n"
-    )
-    stand_in.chmod(0o755)
-    (tmp_path / "root" / "generations").mkdir(parents=True)
+    stand_in, seen = _recording_bwstack(tmp_path)
     inventory = local_inventory(tmp_path / "hosts.yml")
     for action in ("build", "rollback"):
         for take in (False, True):
@@ -226,7 +224,7 @@ def test_the_module_passes_take_over_links_to_build_and_rollback_only_when_asked
             result = run([tool("ansible"), "bwstack_nodes", "-i", str(inventory), "-m", "bwstack_node", "-a",
                           json.dumps(args)])  # fmt: skip
             assert result.rc == 0, result.out[-2000:]
-            calls = [json.loads(line) for line in seen.read_text().splitlines()]
+            calls = [argv for argv, _ in (json.loads(line) for line in seen.read_text().splitlines())]
             acting = [argv for argv in calls if action in argv]
             assert acting and all(("--take-over-links" in argv) == take for argv in acting), calls
             assert not any("--take-over-links" in argv for argv in calls if "generations" in argv)
