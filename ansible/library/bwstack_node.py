@@ -332,9 +332,7 @@ def do_cuda(r: Runner) -> dict:
             "msg": status.get("note") or "",
             "diff": {"before": before, "after": after},
         }
-    # The store's wheels and cache (--root) only: `bwstack cuda install` takes no env or link options.
-    root = ["--root", p["root"]]
-    _, result, err = r.run("cuda", "install", *_profile_args(p), *prefix, *root, *_source_args(p), "--json")
+    _, result, err = r.run("cuda", "install", *_profile_args(p), *prefix, *_store_args(p), *_source_args(p), "--json")
     return {
         "changed": bool(result.get("changed")),
         "switched": False,

@@ -350,11 +350,11 @@ def test_provision_options_become_extra_vars(tmp_path: Path):
 
     args = build_parser().parse_args(
         ["--lock", "stack.lock.yaml", "provision", "--wheelhouse", "/w", "--index", "pypi=https://m/simple",
-         "--ca-bundle", "/ca.pem", "--offline", "--skip", "nvcc=no nvcc", "--root", "/r"]
+         "--ca-bundle", "/ca.pem", "--skip", "nvcc=no nvcc", "--root", "/r"]
     )  # fmt: skip
     got = playbooks._common_vars(options.playbook_settings(args))
     assert got["bwstack_wheelhouse"] == ["/w"] and got["bwstack_index"] == ["pypi=https://m/simple"]
-    assert (got["bwstack_ca_bundle"], got["bwstack_offline"], got["bwstack_root"]) == ("/ca.pem", True, "/r")
+    assert (got["bwstack_ca_bundle"], got["bwstack_root"]) == ("/ca.pem", "/r") and "bwstack_offline" not in got
     assert got["bwstack_verify_skip"] == ["nvcc=no nvcc"]
 
 

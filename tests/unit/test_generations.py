@@ -418,3 +418,14 @@ def test_a_rollback_given_source_options_without_rebuild_says_it_reads_none_and_
     assert result.returncode == 0, result.stderr
     assert "note: --wheelhouse, --offline not read: without --rebuild a rollback fetches no wheel" in result.stderr
     assert _store(stack).active().id == 0
+
+
+def test_a_rollback_without_rebuild_is_not_stopped_by_source_paths_this_node_lacks(stack, tmp_path):
+    """It said it reads them: a wheelhouse or CA bundle that is not here must not fail it either."""
+    stack.build("fixture-old", check=True)
+    stack.build("fixture-new", check=True)
+    result = stack.run("rollback", "--to", "0", "--wheelhouse", str(tmp_path / "none"), "--ca-bundle",
+                       str(tmp_path / "none.pem"))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "note: --wheelhouse, --ca-bundle not read" in result.stderr
+    assert _store(stack).active().id == 0

@@ -769,25 +769,38 @@ _DOCKER_OK, _DOCKER_WHY = daemon.daemon_available()
 needs_docker = pytest.mark.skipif(not _DOCKER_OK, reason=_DOCKER_WHY)
 
 
-def _image_ids() -> set[str]:
+def _image_ids() -> set[str] | None:
     listed = subprocess.run(["docker", "images", "-a", "-q", "--no-trunc"], capture_output=True, text=True, timeout=60)
-    return set(listed.stdout.split()) if listed.returncode == 0 else set()
+    return set(listed.stdout.split()) if listed.returncode == 0 else None
+
+
+THIS_SUITES_TAGS = "bwstack/sglang:ci-small-"  # the tags the CI lock's builds get (context.TAG_TEMPLATE)
 
 
 @pytest.fixture(scope="session")
 def images_made_here():
     """The images this session's builds make go when it ends: each build leaves its stages' images (kept for a
     later --cache-from) and the tag it moves leaves the last run's image untagged, about 3 GB a run on a
-    developer's daemon. Images that were there before are kept, and so are the CI base and node images this
-    session makes (debootstrap, minutes), which the next session reuses."""
+    developer's daemon. Only images that appeared during the session and are untagged or carry the CI lock's
+    tag are removed, without --force (one a container uses stays); nothing is removed when the daemon could not
+    be listed at the start. The CI base and node images, which the next session reuses, keep their tags."""
     before = _image_ids()
     yield
-    made = _image_ids() - before
-    for image in sorted(made):
-        tags = subprocess.run(["docker", "image", "inspect", "--format", "{{json .RepoTags}}", image],
-                              capture_output=True, text=True, timeout=60).stdout  # fmt: skip
-        if CI_BASE not in tags and '"bwstack-ci-' not in tags:  # the CI base and node images stay
-            subprocess.run(["docker", "image", "rm", "--force", image], capture_output=True, timeout=300)
+    after = _image_ids()
+    if before is None or after is None:
+        return
+    for _ in range(2):  # an image is refused while a newer one still builds on it: the second pass takes it
+        for image in sorted(after - before):
+            tags = subprocess.run(["docker", "image", "inspect", "--format", "{{json .RepoTags}}", image],
+                                  capture_output=True, text=True, timeout=60)  # fmt: skip
+            if tags.returncode != 0:
+                continue  # gone already (removed with the image that built on it)
+            try:
+                named = json.loads(tags.stdout) or []
+            except ValueError:
+                continue
+            if all(t.startswith(THIS_SUITES_TAGS) for t in named):
+                subprocess.run(["docker", "image", "rm", image], capture_output=True, timeout=300)
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -104,19 +105,33 @@ def test_a_missing_env_is_an_observation_error_not_a_crash(tmp_path: Path):
 
 
 def _base_nice() -> int:
-    return os.getpriority(os.PRIO_PROCESS, 0)
+    return os.getpriority(os.PRIO_PROCESS, os.getpid())  # the process's main thread
+
+
+def _nice_of_a_child() -> int:
+    return int(subprocess.check_output(["sh", "-c", "ps -o ni= -p $$"]))
 
 
 def test_work_handed_to_yielding_runs_at_a_lower_priority_and_what_it_starts_inherits_it():
     with ThreadPoolExecutor(max_workers=1) as pool:
-        child = pool.submit(interp.yielding, subprocess.check_output, ["sh", "-c", "ps -o ni= -p $$"]).result()
-    assert int(child) == min(19, _base_nice() + interp.YIELDING_NICE)
+        child = pool.submit(interp.yielding, _nice_of_a_child).result()
+        again = pool.submit(interp.yielding, _nice_of_a_child).result()  # the same thread: not lowered twice
+    assert child == again == min(19, _base_nice() + interp.YIELDING_NICE)
     assert os.getpriority(os.PRIO_PROCESS, 0) == _base_nice()  # the caller's own thread is left as it was
 
 
-def test_the_planners_interpreter_keeps_the_callers_priority_and_the_file_reads_beside_it_yield(tmp_path: Path):
-    """A fake env whose interpreter logs the priority it runs at: the planner (inenv.py) at the caller's, the
-    interpreter the kernel facts start beside it (the CUDA facts' `python -c`) at the lowered one."""
+def test_yielding_never_raises_a_thread_already_lower():
+    def lowest_then_yield() -> int:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        return interp.yielding(_nice_of_a_child)
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        assert pool.submit(lowest_then_yield).result() == 19
+
+
+def _env_logging_priorities(tmp_path: Path, other_cases: str) -> Path:
+    """A fake env whose python logs the nice value it runs at: "planner N" for SGLang's planner (inenv.py, which
+    it answers with no observations); `other_cases` (shell case arms, {log} for the log) for the rest."""
     (tmp_path / "env/lib/python3.12/site-packages").mkdir(parents=True)
     (tmp_path / "env/bin").mkdir()
     log = tmp_path / "priorities.log"
@@ -124,13 +139,37 @@ def test_the_planners_interpreter_keeps_the_callers_priority_and_the_file_reads_
     fake.write_text(
         "#!/bin/sh\n"
         f'ni=$(ps -o ni= -p $$); case "$*" in *inenv.py*) echo "planner $ni" >> {log}; '
-        f'echo \'{node.MARKER}{{"observations": []}}\';; *) echo "other $ni" >> {log};; esac\n'
+        f"echo '{node.MARKER}{{\"observations\": []}}';; {other_cases.format(log=log)} esac\n"
     )
     fake.chmod(0o755)
+    return log
+
+
+def test_the_planners_interpreter_keeps_the_callers_priority_and_the_file_reads_beside_it_yield(tmp_path: Path):
+    """A fake env whose interpreter logs the priority it runs at: the planner (inenv.py) at the caller's, the
+    interpreter the kernel facts start beside it (the CUDA facts' `python -c`) at the lowered one."""
+    log = _env_logging_priorities(tmp_path, '*) echo "other $ni" >> {log};;')
     observed = node.observe(tmp_path / "env", DEVICE, [{"id": "m", "model": "gpt-oss-20b", "tp": 8}])
     assert observed.error is None, observed.error
     seen = {line.split()[0]: int(line.split()[1]) for line in log.read_text().splitlines()}
     assert seen == {"planner": _base_nice(), "other": min(19, _base_nice() + interp.YIELDING_NICE)}
+
+
+def test_a_verify_probe_runs_the_planner_at_the_callers_priority_and_the_import_checks_lowered(tmp_path: Path):
+    """collect() with a fake env whose interpreter logs its priority: the import checks (which end at once here,
+    freeing their pool's thread before the planner starts) yield, the planner's interpreter does not: it never
+    gets a thread that yielded."""
+    # The CUDA facts' question, asked before the planner starts, is slow: the import checks end first.
+    log = _env_logging_priorities(tmp_path, '*"import torch"*) echo "imports $ni" >> {log};; *shutil*) sleep 0.5;;')
+    (log.parent / "env/lib/python3.12/site-packages/torch").mkdir()
+    job = {"device": {"mode": "simulated", "capability": "12.0", "count": 8, "memory_mib": 98304, "name": "RTX",
+                      "interconnect": "pcie"},
+           "requests": [{"id": "model-0", "model": "llama-3.1-8b-instruct", "tp": 8}]}  # fmt: skip
+    probe.collect(tmp_path / "env", "12.0", runtime=False, serve_plan=job)
+    seen = {}
+    for line in log.read_text().splitlines():
+        seen.setdefault(line.split()[0], set()).add(int(line.split()[1]))
+    assert seen == {"planner": {_base_nice()}, "imports": {min(19, _base_nice() + interp.YIELDING_NICE)}}, seen
 
 
 def _extension_needing_libcuda(sp: Path, libs: Path) -> None:

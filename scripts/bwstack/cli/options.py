@@ -220,12 +220,9 @@ def add_profile(p: Container, help: str | None = "the lock's profile (default: i
     p.add_argument("--profile", help=help)
 
 
-def add_store(
-    p: Container, *, cuda_link: bool = True, hidden: bool = False, on_targets: bool = False, env_links: bool = True
-) -> None:
+def add_store(p: Container, *, cuda_link: bool = True, hidden: bool = False, on_targets: bool = False) -> None:
     """--root and --ml-env (and --cuda-link): where the store and the env users run are. `hidden` for
-    commands that accept them only to find the active env; `on_targets` for playbook runs; `env_links=False`
-    for commands that read the store alone (--root)."""
+    commands that accept them only to find the active env; `on_targets` for playbook runs."""
     if not hidden:
         p = _group(p, "store location")
     if on_targets:
@@ -236,8 +233,6 @@ def add_store(
             p.add_argument("--cuda-link", type=plain_path, help=link_help)
         return
     p.add_argument("--root", type=plain_path, help=argparse.SUPPRESS if hidden else STORE_ROOT_HELP)
-    if not env_links:
-        return
     add_ml_env(p, hidden=hidden)
     if cuda_link:
         p.add_argument("--cuda-link", type=plain_path, help=argparse.SUPPRESS if hidden else CUDA_LINK_HELP)
@@ -253,11 +248,11 @@ def add_ml_env(p: Container, *, hidden: bool = False) -> None:
     )
 
 
-def add_node(p: Container, *, take_over_links: bool, verify: bool, env_links: bool = True) -> None:
-    """The options of commands that work on this node's store: its location and --json; --take-over-links for
-    those that point links, --verify for those that check a generation against its manifest, --ml-env and
-    --cuda-link (`env_links`) for those that read them (a command never takes an option it does not read)."""
-    add_store(p, env_links=env_links)
+def add_node(p: Container, *, take_over_links: bool, verify: bool) -> None:
+    """The options of commands that work on this node's store: its location (the store's and its links', which
+    must not overlap) and --json; --take-over-links for those that point links, --verify for those that check a
+    generation against its manifest (a command never takes an option it does not read)."""
+    add_store(p)
     add_json(p)
     if take_over_links:
         p.add_argument(
@@ -287,7 +282,10 @@ def add_sources(
     p = _group(p, "wheel sources")
     if on_targets:
         p.add_argument(
-            "--wheelhouse", action="append", help="directory of wheels on the targets, used first (repeatable)"
+            "--wheelhouse",
+            action="append",
+            type=plain_path,
+            help="directory of wheels on the targets, used first (repeatable)",
         )
         p.add_argument(
             "--index",
@@ -296,12 +294,14 @@ def add_sources(
             help="a mirror for one of the lock's indexes (or BWSTACK_INDEX, one a line: kept out of `ps`)",
         )
         p.add_argument("--offline", action="store_true", help="use only --wheelhouse (and the node's wheel store)")
-        p.add_argument("--ca-bundle", help=ca_help or "CA bundle on the targets for TLS (always verified)")
+        p.add_argument(
+            "--ca-bundle", type=plain_path, help=ca_help or "CA bundle on the targets for TLS (always verified)"
+        )
     else:
         p.add_argument(
             "--wheelhouse",
             action="append",
-            type=existing_dir if checked else None,
+            type=existing_dir if checked else plain_path,
             help="directory of wheels to use first (repeatable)",
         )
         if index:
@@ -313,7 +313,7 @@ def add_sources(
         p.add_argument("--offline", action="store_true", help="use only the store and --wheelhouse")
         p.add_argument(
             "--ca-bundle",
-            type=existing_file if checked else None,
+            type=existing_file if checked else plain_path,
             help=ca_help or "CA bundle for TLS (always verified)",
         )
     p.add_argument(

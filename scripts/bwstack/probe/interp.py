@@ -61,10 +61,15 @@ YIELDING_NICE = 10
 def yielding(fn: Callable[..., T], *args: object) -> T:
     """fn(*args) in this thread, its CPU priority lowered first (what it starts inherits it), for work beside the
     run's longest path: a verify's SGLang planner, seconds of imports on a node of few cores, which the import
-    checks and the file reads beside it held back by a second. Call it in a thread of its own (a pool's): a
-    thread's priority cannot be raised again without privilege. Where it cannot be lowered, fn runs as it is."""
+    checks and the file reads beside it held back by a second. Call it only in a pool that never runs the
+    planner: a thread's priority cannot be raised again without privilege. The nice value is the process's (its
+    main thread's) plus YIELDING_NICE: a pool thread that yielded before stays where it is, and a thread already
+    lower is never raised. Where it cannot be lowered, fn runs as it is."""
     with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), YIELDING_NICE)
+        thread = threading.get_native_id()
+        wanted = min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + YIELDING_NICE)
+        if os.getpriority(os.PRIO_PROCESS, thread) < wanted:
+            os.setpriority(os.PRIO_PROCESS, thread, wanted)
     return fn(*args)
 
 

@@ -747,8 +747,9 @@ def collect(
     # One stand-in libcuda.so.1 for the import checks and the planner (built by whichever needs it first).
     stand_in = StandInLibcuda(sp)
     try:
-        # Leaving the pool waits for its workers, even on an error here: none still uses the stand-in when it goes.
-        with ThreadPoolExecutor(max_workers=3) as pool:
+        # Leaving the pools waits for their workers, even on an error here: none still uses the stand-in when it goes.
+        # The planner has a pool of its own: a thread that ran yielding work (interp.yielding) stays lowered.
+        with ThreadPoolExecutor(max_workers=2) as pool, ThreadPoolExecutor(max_workers=1) as planner:
             pending = (
                 pool.submit(interp.yielding, import_facts, env, sp, facts["gpu"]["present"], stand_in)
                 if imports and reused is None
@@ -774,7 +775,7 @@ def collect(
                         # Built here, before the ELF scan: built beside the scan (both Python, one GIL) it held the
                         # planner's interpreter back by a second. (On 2 cores the total stays bound by the CPU.)
                         stand_in.folder()
-                    planning = pool.submit(
+                    planning = planner.submit(
                         node.observe_job, env, device, serve_plan, cuda=facts["cuda"], stand_in=stand_in
                     )
                 else:

@@ -17,8 +17,9 @@ UNREAD = (
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    # The store's wheel store and cache only: a toolkit is no env, and its home is the profile's (or --prefix).
-    options.add_node(p, take_over_links=False, verify=False, env_links=False)
+    # --ml-env and --cuda-link say where the store's links are, which must not overlap the store (Layout): a store
+    # at /opt needs its env elsewhere. --python is not taken: a toolkit makes no env.
+    options.add_node(p, take_over_links=False, verify=False)
     options.add_sources(p)
     p.add_argument("action", choices=["status", "install"])
     options.add_profile(p, help=None)

@@ -12,7 +12,7 @@ HELP = "is this node fit for the profile? (changes nothing)"
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    options.add_node(p, take_over_links=False, verify=False, env_links=False)  # it sizes the store's disk alone
+    options.add_node(p, take_over_links=False, verify=False)
     options.add_profile(p, help=None)
     options.add_min_free_gb(p, default=25.0, help="free disk required at the store (default %(default)s)")
     p.add_argument("--allow-no-gpu", action="store_true", help="accept a CPU-only target (containers, CI), loudly")

@@ -10,6 +10,8 @@ from bwstack.cli import options
 NAME = "provision"
 HELP = "run the provision playbook (preflight, CUDA, env, verify) on local://, ssh:// or ansible:// targets"
 
+UNREAD = (options.Unread("offline", ignores=("index",)),)  # the nodes' offline builds reach no mirror
+
 TARGET_HELP = "local:// (default), ssh://[user@]host[:port][,ssh://...], or ansible://INVENTORY[?limit=...&group=...]"
 
 

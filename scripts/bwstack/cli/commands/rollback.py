@@ -14,7 +14,10 @@ NAME = "rollback"
 HELP = "switch back to a verified generation"
 # The rollback playbook gets the store, source and waiver options (options.playbook_settings); the role decides
 # the rest on the node.
-UNREAD = (options.Unread("target", ignores=("verify", "python", "json")),)
+UNREAD = (
+    options.Unread("target", ignores=("verify", "python", "json")),
+    options.Unread("offline", ignores=("index",)),  # an offline rebuild reaches no mirror
+)
 # Wheels are fetched only to rebuild. A rollback here given source options without --rebuild says it reads none,
 # and goes on: it is the emergency path, and a controller's older module passes them to every rollback.
 SOURCE_OPTIONS = ("wheelhouse", "index", "offline", "ca_bundle", "allow_unhashed", "python")
@@ -63,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
         console.note(f"note: {', '.join(unread)} not read: without --rebuild a rollback fetches no wheel")
     if args.rebuild:
         options.check_sources_here(args)
+    else:  # as the note says: nothing below reads them (a wheelhouse this node lacks fails nothing)
+        args = argparse.Namespace(**{**vars(args), **dict.fromkeys(SOURCE_OPTIONS)})
     lock = load_lock(args.lock)
     layout = options.layout(args)
     options.apply_ca_bundle(args)

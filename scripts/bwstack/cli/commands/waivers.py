@@ -13,7 +13,7 @@ HELP = "the verify waivers this node remembers (set at provision time)"
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    options.add_node(p, take_over_links=False, verify=False, env_links=False)  # the store's own waivers.json
+    options.add_node(p, take_over_links=False, verify=False)
     p.add_argument("--set", action="append", metavar="CHECK=REASON", help="replace the remembered waivers (repeatable)")
     p.add_argument("--clear", action="store_true", help="forget every remembered waiver")
     p.add_argument(
