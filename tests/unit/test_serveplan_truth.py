@@ -8,13 +8,17 @@ the six models, about a minute)."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
 from helpers import needs_py312
 
-from bwstack.probe import envinspect, fatbin, sealed
+from bwstack.probe import envinspect, fatbin, interp, sealed
+from bwstack.probe import main as probe
 from bwstack.probe.serveplan import node
 from bwstack.serveplan import assemble, catalogue
 from bwstack.serveplan.records import Verdict
@@ -221,3 +225,44 @@ def test_the_planner_names_what_it_loaded_outside_the_env_and_nothing_of_its_own
     assert not [p for p in paths if "/bwstack-serveplan-" in p], "the run's own folder"
     assert any(p.endswith("/json/__init__.py") for p in paths), "the base interpreter's standard library"
     assert sealed.loaded_changed(loaded, "SGLang's planner") is None
+
+
+REGISTERING = """
+import importlib, json, pkgutil, sys
+ns = {"__name__": "planner"}
+exec(compile(open(sys.argv[1]).read(), "serveplan.py", "exec"), ns)
+from sglang.srt.models import registry
+whole = dict(registry.ModelRegistry.models)
+by = {}
+package = importlib.import_module("sglang.srt.models")
+for _, name, ispkg in pkgutil.iter_modules(package.__path__, "sglang.srt.models."):
+    entry = getattr(sys.modules.get(name), "EntryClass", None)
+    for cls in entry if isinstance(entry, list) else [entry] if entry else []:
+        by[cls.__name__] = name.rsplit(".", 1)[-1]
+missed = [[a, by.get(a)] for a in whole if by.get(a) not in ns["_modules_registering"]({a})[0]]
+print(json.dumps({"archs": len(whole), "missed": missed}))
+"""
+
+
+def registry_misses(env: Path) -> dict:
+    """Every architecture the env's SGLang registers, and those whose registering module the planner's narrowed
+    import (probe/scripts/serveplan.py, _modules_registering) would leave out."""
+    sp = envinspect.site_packages(env)
+    with probe.StandInLibcuda(sp) as stand_in, tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "serveplan.py"
+        script.write_text(interp.script_source("serveplan"))
+        environ = node._child_env(dict(os.environ), None, stand_in.folder())
+        done = subprocess.run(
+            [str(Path(env) / "bin" / "python"), "-c", REGISTERING, str(script)],
+            capture_output=True, text=True, env=environ, timeout=600, cwd=tmp,
+        )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_planners_narrowed_model_registry_finds_the_module_of_every_architecture_sglang_registers(real):
+    """The planner imports only the model modules that may register its requests' architectures; for each of
+    the 0.5.9 registry's architectures, the module that registers it is among them."""
+    found = registry_misses(real.ml_env)
+    assert found["archs"] > 100, "SGLang's registry imported its model modules"
+    assert found["missed"] == []

@@ -10,7 +10,9 @@ answers torch.cuda, NVML and nvidia-smi would give on the target (capability, co
 not) are installed before SGLang is imported, and SGLang's own code then makes its choices. The decision site of
 each choice is recorded as it happens (the caller frame when a tracked ServerArgs attribute is set, the `return`
 a dispatch function takes, the frame an error is raised in). A choice that needs a GPU or a process group to be
-observed is reported as not observed, with the reason.
+observed is reported as not observed, with the reason. One shortcut, with the same answers: SGLang's model
+registry is first imported with only the model modules that can register the requests' architectures (see
+_import_registry_narrowed); any question it cannot answer exactly reads the rest first.
 
 Request (argv[1], JSON): {"device": {"mode": "simulated"|"real", "capability", "count", "memory_mib", "name",
 "interconnect"}, "requests": [{"id", "model_path", "draft_path", "tp", "speculative_algorithm", "quantization",
@@ -304,12 +306,172 @@ def _callable_name(fn) -> str | None:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
 
+# ------------------------------------------------------------------------------------------------ model registry
+
+REGISTRY = "sglang.srt.models.registry"
+MODELS = "sglang.srt.models"
+
+
+def _architectures(requests: list) -> set[str] | None:
+    """The architectures the config.json of every model and draft of these requests names; None when one cannot
+    be read (the registry is then imported whole, as SGLang does)."""
+    names: set[str] = set()
+    for request in requests:
+        for key in ("model_path", "draft_path"):
+            folder = request.get(key)
+            if not folder:
+                continue
+            try:
+                with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+                    archs = json.load(f).get("architectures")
+            except (OSError, ValueError, AttributeError):
+                return None
+            if not (isinstance(archs, list) and archs and all(isinstance(a, str) and a.isidentifier() for a in archs)):
+                return None
+            names.update(archs)
+    return names or None
+
+
+ENTRY = re.compile(r"^[ \t]*EntryClass\b", re.M)
+ENTRY_VALUE = re.compile(r"EntryClass[ \t]*=[ \t]*(\[[^\[\]()]*\]|\([^\[\]()]*\)|[\w.]+)[ \t]*(?:#.*)?$", re.M)
+
+
+def _registers(text: str, names: set[str]) -> bool:
+    """Whether a model module's source may register one of `names` with SGLang's registry (which keys each class of
+    a module's EntryClass by its __name__): an EntryClass naming one of them, or one whose value is not a plain
+    list of names (an alias imported `as` another name, a computed value) and so cannot be read here."""
+    for found in ENTRY.finditer(text):
+        value = ENTRY_VALUE.match(text, found.end() - len("EntryClass"))
+        if value is None:
+            return True
+        listed = re.sub(r"#[^\n]*", "", value.group(1)).strip("[]() \t\n")
+        for item in filter(None, (part.strip() for part in listed.split(","))):
+            if not re.fullmatch(r"[A-Za-z_][\w.]*", item):
+                return True
+            last = item.rsplit(".", 1)[-1]
+            if last in names or re.search(rf"\bas[ \t]+{re.escape(last)}\b", text):
+                return True
+    return False
+
+
+def _modules_registering(names: set[str]) -> tuple[list[str], list[str]] | None:
+    """SGLang's model modules split into those that may register one of `names` (_registers) and the rest; None
+    when a module's source cannot be read."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(MODELS)
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    if len(folders) != 1:
+        return None
+    naming, rest = [], []
+    for entry in sorted(os.listdir(folders[0])):
+        path = os.path.join(folders[0], entry)
+        if entry.startswith("__") or entry == "registry.py" or os.path.isdir(path):
+            continue  # the registry itself registers nothing (SGLang's loop finds it half-imported)
+        if not entry.endswith(".py"):
+            return None  # a module without source here: read the whole registry
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError):
+            return None
+        (naming if _registers(text, names) else rest).append(entry[:-3])
+    return naming, rest
+
+
+class _Registered(dict):
+    """SGLang's ModelRegistry.models after a narrowed import: the classes of the modules that name the requests'
+    architectures. A question it cannot answer exactly (an architecture it lacks, the list of all) imports every
+    other model module first, through SGLang's own import_model_classes, so every answer is the one the whole
+    registry gives."""
+
+    def __init__(self, found: dict, complete) -> None:
+        super().__init__(found)
+        self._complete = complete
+
+    def _whole(self) -> None:
+        if self._complete is not None:
+            complete, self._complete = self._complete, None
+            for arch, cls in complete().items():
+                dict.setdefault(self, arch, cls)
+
+    def __contains__(self, arch) -> bool:
+        if not dict.__contains__(self, arch):
+            self._whole()
+        return dict.__contains__(self, arch)
+
+    def __getitem__(self, arch):
+        if not dict.__contains__(self, arch):
+            self._whole()
+        return dict.__getitem__(self, arch)
+
+    def get(self, arch, default=None):
+        if arch in self:  # a miss reads the whole registry first
+            return dict.__getitem__(self, arch)
+        return default
+
+    def keys(self):
+        from collections.abc import KeysView
+
+        return KeysView(self)
+
+    def __iter__(self):
+        self._whole()
+        return dict.__iter__(self)
+
+    def __len__(self) -> int:
+        self._whole()
+        return dict.__len__(self)
+
+    def items(self):
+        self._whole()
+        return dict.items(self)
+
+    def values(self):
+        self._whole()
+        return dict.values(self)
+
+
+def _import_registry_narrowed(requests: list) -> str | None:
+    """Import SGLang's model registry with only the model modules that can hold these requests' architectures.
+    Importing every model module (what the registry does when it is first imported) took about 3 s of the
+    planner's 6-7 s here, and a plan reads one architecture per model. SGLang's own switch,
+    SGLANG_DISABLED_MODEL_ARCHS, leaves the others out for that import; the registry's answers stay the whole
+    registry's (_Registered). Nothing is narrowed when the registry is already imported, when another package adds
+    models (SGLANG_EXTERNAL_MODEL_PACKAGE), or when an architecture or a module's source cannot be read. Returns
+    what was narrowed, for the plan's record."""
+    if REGISTRY in sys.modules or os.environ.get("SGLANG_EXTERNAL_MODEL_PACKAGE"):
+        return None
+    names = _architectures(requests)
+    split = _modules_registering(names) if names else None
+    if split is None:
+        return None
+    naming, rest = split
+    variable = "SGLANG_DISABLED_MODEL_ARCHS"
+    before = os.environ.get(variable)
+    own = [s.strip() for s in (before or "").split(",") if s.strip()]
+    os.environ[variable] = ",".join([*own, *rest])
+    try:
+        registry = importlib.import_module(REGISTRY)
+    finally:
+        if before is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = before
+    registry.import_model_classes.cache_clear()  # the whole registry is read under the operator's own switch
+    found = dict(registry.ModelRegistry.models)
+    registry.ModelRegistry.models = _Registered(found, lambda: registry.import_model_classes(MODELS))
+    return f"{len(naming)} of {len(naming) + len(rest)} model modules imported first ({', '.join(naming)})"
+
+
 # ------------------------------------------------------------------------------------------------ observe
 
 
 class Observer:
-    def __init__(self, device: dict) -> None:
+    def __init__(self, device: dict, requests: list) -> None:
         self.device = device
+        self.requests = requests  # every request this interpreter plans: the model registry is imported once
+        self.registry: str | None = None
         self.records = _Records()
         logging.getLogger().addHandler(self.records)
         for name in ("sglang", "flashinfer"):
@@ -444,6 +606,8 @@ class Observer:
                 break
         from sglang.srt.model_loader.utils import get_model_architecture
 
+        if self.registry is None:  # where SGLang itself imports the registry: the first model resolved
+            self.registry = _import_registry_narrowed(self.requests) or ""
         arch_cls, arch_error = _attempt(lambda: get_model_architecture(mc)[0])
         steps["model"] = {
             "ok": True,
@@ -897,7 +1061,7 @@ def main(argv: list[str]) -> int:
     device = job["device"]
     if device["mode"] == "simulated":
         _simulate_device(device)
-    observer = Observer(device)
+    observer = Observer(device, job["requests"])
     result: dict = {"schema": SCHEMA, "versions": _versions(), "device": device, "observations": []}
     if device["mode"] == "real":
         result["real_device"] = _real_device()
@@ -913,6 +1077,8 @@ def main(argv: list[str]) -> int:
             result["observations"].append(observer.observe(request))
         except Exception as exc:  # one model's failure must not hide the others
             result["observations"].append({"id": request.get("id"), "crashed": _error(exc), "steps": {}})
+    if observer.registry:
+        result["model_registry"] = observer.registry
     # What the plans depended on outside the env (and the run's own folders): a verify reuses them only while
     # all of it is as it was, as it does the import checks' outcome.
     inside = [p for p in job.get("inside") or [] if isinstance(p, str) and p]
