@@ -20,7 +20,7 @@ from bwstack.fsutil import atomic_write_text, new_file_mode
 from bwstack.lock.model import Lock, Profile
 from bwstack.probe import schema, waivers
 from bwstack.probe.generation import GenerationFacts
-from bwstack.serveplan import assemble
+from bwstack.serveplan import assemble, catalogue
 from bwstack.serveplan.check import request_of
 
 CHUNK = 60_000  # base64 characters per command: well under Linux's 128 KiB limit for one argument
@@ -195,7 +195,8 @@ def serve_plan_job(profile: Profile, requests: list[dict]) -> dict:
         "name": target.gpu_name,
         "interconnect": target.interconnect,
     }
-    return {"device": device, "requests": requests}
+    # What a fix search may ask for, planned beside the models when the node remembers nothing of an earlier one.
+    return {"device": device, "requests": requests, "speculate": assemble.speculation(catalogue.load())}
 
 
 def _facts_of(host, result, what: str, read=None) -> dict:
@@ -241,6 +242,18 @@ def run_serve_plan(host, config: pytest.Config, env_path: str, job: dict) -> dic
     python = _python(host, config.getoption("--stack-env"))
     command = _probe_command(python, remote, ["serve-plan", "--env", env_path, json.dumps(job)])
     return _facts_of(host, _run(host, command, expect_ok=False), "serve-plan")
+
+
+def remember_asked(host, config: pytest.Config, env_path: str, requests: list[dict], asked_after: dict) -> None:
+    """Have the node remember what a fix search asked for after the verify job (no planning): best effort, as the
+    node's own remembering is."""
+    remote = _remote_probe(host)
+    python = _python(host, config.getoption("--stack-env"))
+    job = {"remember": requests, "hint_for": asked_after}
+    try:
+        _run(host, _probe_command(python, remote, ["serve-plan", "--env", env_path, json.dumps(job)]), expect_ok=False)
+    except HostUnavailable:
+        return  # the plans are in hand; the next probe call on this host says what went wrong
 
 
 def _job_of(profile: Profile) -> dict | None:
@@ -305,6 +318,10 @@ def plan_again(host, request: pytest.FixtureRequest, facts: dict):
     def run(requests: list[dict]) -> dict:
         planned = assemble.already_planned(observed, requests)  # the probe planned them beside the model
         if planned is not None:
+            if asked_after is not None and any(str(r.get("id")).startswith("speculated-") for r in planned["requests"]):
+                # Planned early, as nothing was remembered: the node remembers what this search asked for.
+                asked = [{k: v for k, v in r.items() if k != "id"} for r in requests]
+                remember_asked(host, request.config, facts["env"]["path"], asked, asked_after)
             return planned
         job = {"device": observed["device"], "requests": requests, "hint_for": asked_after}
         reuse = (facts.get("facts_source") or {}).get("reuse")

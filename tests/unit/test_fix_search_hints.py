@@ -83,7 +83,7 @@ def test_when_planning_with_hints_fails_they_are_forgotten_and_the_job_is_planne
     node.remember_asked(built.ml_env, JOB, [TRITON])
     planned: list[int] = []
 
-    def observe(env, device, requests, cuda=None, stand_in=None):
+    def observe(env, device, requests, cuda=None, stand_in=None, speculate=None):
         planned.append(len(requests))
         result = node.Observation(device=device, requests=list(requests))
         if len(requests) > 1:  # the interpreter that had the hint in it crashed, taking every request along

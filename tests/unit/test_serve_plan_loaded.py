@@ -51,7 +51,7 @@ def planner(monkeypatch, system_library: Path) -> list[int]:
     """SGLang's interpreter stood in: each run plans every request and names `system_library` as loaded."""
     runs: list[int] = []
 
-    def run_inenv(env, device, requests, timeout=1800, stand_in=None):
+    def run_inenv(env, device, requests, timeout=1800, stand_in=None, speculate=None):
         runs.append(len(requests))
         observations = [{"id": r.get("id"), "steps": {}} for r in requests]
         return {"schema": 1, "versions": {}, "observations": observations, "loaded": [_stamp(system_library)]}

@@ -109,6 +109,10 @@ BAD = [
     ("remedy-flag-not-a-flag", _mutate("remedies/0/flags/0", "attention-backend"), "remedies[0].flags[0]: "),
     ("remedy-arg-name", _mutate("remedies/0/server_args", {"Attention Backend": "triton"}), "remedies[0].server_args"),
     ("remedy-no-why", _mutate("remedies/0/why", DELETE), "remedies[0].why: required key is missing"),
+    # the draft's rows are "attention (draft decode)" and "(draft extend)": a remedy for "(draft)" never applied
+    ("remedy-component-no-plan-has", _mutate("remedies/0/component", "attention (draft)"),
+     "remedies[0].component: 'attention (draft)' is no component of a plan"),
+    ("match-component-no-plan-has", _mutate(f"{ISSUE}/matches/0/component", "GEMM"), "matches[0].component: 'GEMM'"),
     ("remedies-not-a-list", _mutate("remedies", {}), "(top level).remedies: expected a list"),
     ("top-level-unknown", _mutate("notes", "x"), "(top level).notes: unknown key"),
 ]  # fmt: skip

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bwstack.serveplan import assemble, catalogue, check, render
-from bwstack.serveplan.records import Verdict
+from bwstack.serveplan.records import COMPONENTS, Verdict
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "serveplan"
 
@@ -251,3 +251,11 @@ def test_the_check_passes_without_flags_when_every_path_runs():
     outcome = check.judge(observation, 0, catalogue.load(), lambda requests: pytest.fail("nothing to fix"))
     assert outcome.passed and outcome.plan.fix is None
     assert "all-reduce nccl: runs" in outcome.notes[0]
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in FIXTURES.glob("*.json")))
+def test_every_path_a_plan_names_is_one_of_the_components_the_catalogue_may_name(name):
+    observed = fixture(name)
+    plans = [assemble.plan_for(observed["base"], 0, catalogue.load())]
+    plans += [p for run in observed["runs"] for p in assemble.plans(run, catalogue.load())]
+    assert {p.component for plan in plans for p in plan.paths} <= set(COMPONENTS)

@@ -679,6 +679,22 @@ def _candidates(plan: Plan, catalogue: Catalogue) -> list[tuple[str, _Candidate]
     return unique
 
 
+def speculation(catalogue: Catalogue) -> list[list[dict]]:
+    """The server-argument changes a fix search may ask the node to plan, by component in the catalogue's order:
+    a planner with nothing remembered plans them beside the model (node: speculated requests), so that a fix
+    search finds its plans there instead of starting SGLang again. Changes of the environment are left out (they
+    need an interpreter of their own), and so are remedies for one backend (which backend a path has is known
+    only here, after the plan). Only which requests are planned early follows from this; which ones a fix search
+    asks for, and what it keeps, is still find_fix's."""
+    groups: dict[str, list[dict]] = {}
+    for remedy in catalogue.remedies:
+        if remedy.server_args and not remedy.env and remedy.backend == "*":
+            group = groups.setdefault(remedy.component, [])
+            if dict(remedy.server_args) not in group:
+                group.append(dict(remedy.server_args))
+    return list(groups.values())
+
+
 def _first_per_component(candidates: list[tuple[str, _Candidate]]) -> list[_Candidate]:
     firsts: dict[str, _Candidate] = {}
     for component, cand in candidates:

@@ -20,6 +20,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
 from bwstack.errors import BwstackError
+from bwstack.serveplan.records import COMPONENTS
 
 CATALOGUE_FILE = "known_issues.yaml"
 ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]*$")
@@ -206,6 +207,14 @@ class _Entry:
         return dict(value)
 
 
+def _component(entry: _Entry) -> str:
+    """A component a plan's paths name (records.COMPONENTS): an entry naming another would never apply."""
+    name = entry.text("component")
+    if name not in COMPONENTS:
+        entry.fail(f"{name!r} is no component of a plan (one of: {', '.join(COMPONENTS)})", "component")
+    return name
+
+
 def _urls(entry: _Entry, required: bool = True) -> tuple[str, ...]:
     urls = entry.texts("sources", required=required)
     for i, url in enumerate(urls):
@@ -227,7 +236,7 @@ def _issue(issue_id: str, value: Any) -> Issue:
     for i, item in enumerate(matches):
         sub = _Entry(f"issues.{issue_id}.matches[{i}]", item)
         sub.only({"component", "backend"}, {"component", "backend"})
-        parsed.append(PathMatch(sub.text("component"), sub.text("backend")))
+        parsed.append(PathMatch(_component(sub), sub.text("backend")))
     kind = entry.text("kind")
     if kind not in {k.value for k in Kind}:
         entry.fail(f"expected one of {', '.join(k.value for k in Kind)}, got {kind!r}", "kind")
@@ -273,7 +282,7 @@ def _remedy(index: int, value: Any) -> Remedy:
     if not flags and not env:
         entry.fail("a remedy changes flags or env")
     return Remedy(
-        component=entry.text("component"),
+        component=_component(entry),
         backend=entry.text("backend"),
         flags=flags,
         server_args=args,

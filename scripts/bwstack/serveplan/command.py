@@ -100,11 +100,16 @@ def serve_plan(args: argparse.Namespace):
         if value:
             request[key] = value
     cat = catalogue.load()
-    first = node.observe(env, device, [request])
+    # What the fix search may ask for is planned beside the model, in the same start of SGLang.
+    speculate = None if args.no_fix else assemble.speculation(cat)
+    first = node.observe(env, device, [request], speculate=speculate)
     observation = first.as_dict()
     cuda = observation["kernels"].get("nvcc")
 
     def run(requests: list[dict]) -> dict:
+        planned = assemble.already_planned(observation, requests)
+        if planned is not None:
+            return planned
         tagged = [{**r, "id": f"fix-{i}"} for i, r in enumerate(requests)]
         return node.observe(env, device, tagged, cuda=cuda).as_dict()
 

@@ -18,9 +18,16 @@ class Verdict(str, Enum):
     NOT_OBSERVED = "not-observed"  # this path could not be observed here; `why` says what is missing
 
 
+# Every component a plan's paths name (assemble's rows): catalogue entries and remedies name one of these.
+COMPONENTS = (
+    "server arguments", "quantization", "attention", "speculative decoding", "attention (draft decode)",
+    "attention (draft extend)", "sampling", "dense GEMM", "MoE", "all-reduce",
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class PlanPath:
-    component: str  # attention, attention (draft), sampling, dense GEMM, MoE, all-reduce, ...
+    component: str  # one of COMPONENTS
     backend: str
     kernels: tuple[str, ...]  # where the kernels come from for the target, read from the env's files
     verdict: Verdict

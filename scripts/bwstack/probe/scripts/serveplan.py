@@ -17,7 +17,8 @@ _import_registry_narrowed); any question it cannot answer exactly reads the rest
 Request (argv[1], JSON): {"device": {"mode": "simulated"|"real", "capability", "count", "memory_mib", "name",
 "interconnect"}, "requests": [{"id", "model_path", "draft_path", "tp", "speculative_algorithm", "quantization",
 "attention_backend", "moe_runner_backend", "server_args": {...}}], "inside": [folders whose files the loaded
-list leaves out]}; the caller sets the environment.
+list leaves out], "speculate": [[{server args}, ...] by component: planned beside each request, _speculate]};
+the caller sets the environment.
 """
 
 from __future__ import annotations
@@ -462,6 +463,58 @@ def _import_registry_narrowed(requests: list) -> str | None:
     found = dict(registry.ModelRegistry.models)
     registry.ModelRegistry.models = _Registered(found, lambda: registry.import_model_classes(MODELS))
     return f"{len(naming)} of {len(naming) + len(rest)} model modules imported first ({', '.join(naming)})"
+
+
+# ------------------------------------------------------------------------------------------------ speculated
+
+SPECULATED_MAX = 64  # variants planned per request: a plan in a started interpreter costs about 15 ms here
+
+
+def _variants(groups: list, values: dict) -> list[dict]:
+    """The server-argument changes a fix search would ask to plan for a request whose resolved arguments are
+    `values`, given the catalogue's changes by component (`groups`, the controller's assemble.speculation): per
+    component, the changes that are not already what the plan runs (the first of them is the one a fix search
+    tries first); every combination of those firsts, smallest first, then each other change alone."""
+    import itertools
+
+    firsts: list[dict] = []
+    others: list[dict] = []
+    for group in groups:
+        live = [alt for alt in group if not all(values.get(k) == v for k, v in alt.items())]
+        if live:
+            firsts.append(live[0])
+            others.extend(live[1:])
+    out: list[dict] = []
+    for size in range(1, len(firsts) + 1):
+        for combination in itertools.combinations(firsts, size):
+            merged: dict = {}
+            for alt in combination:
+                merged.update(alt)
+            out.append(merged)
+    out.extend(others)
+    unique: list[dict] = []
+    for args in out:
+        if args not in unique:
+            unique.append(args)
+    return unique[:SPECULATED_MAX]
+
+
+def _speculate(observer, requests: list, observations: list, groups: list) -> list[dict]:
+    """Each request planned again with the changes _variants names, in this interpreter: SGLang's imports are
+    paid once. Returns [{"of": index of the request, "server_args": the change, "observation": ...}]."""
+    out = []
+    for index, (request, observation) in enumerate(zip(requests, observations, strict=True)):
+        server = (observation.get("steps") or {}).get("server_args") or {}
+        if not server.get("ok"):
+            continue
+        for args in _variants(groups, server.get("values") or {}):
+            variant = {**request, "server_args": {**(request.get("server_args") or {}), **args}}
+            try:
+                seen = observer.observe(variant)
+            except Exception as exc:  # as for the requests themselves
+                seen = {"id": request.get("id"), "crashed": _error(exc), "steps": {}}
+            out.append({"of": index, "server_args": args, "observation": seen})
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ observe
@@ -1077,6 +1130,8 @@ def main(argv: list[str]) -> int:
             result["observations"].append(observer.observe(request))
         except Exception as exc:  # one model's failure must not hide the others
             result["observations"].append({"id": request.get("id"), "crashed": _error(exc), "steps": {}})
+    if job.get("speculate"):
+        result["speculated"] = _speculate(observer, job["requests"], result["observations"], job["speculate"])
     if observer.registry:
         result["model_registry"] = observer.registry
     # What the plans depended on outside the env (and the run's own folders): a verify reuses them only while

@@ -172,11 +172,14 @@ def run_inenv(
     requests: list[Request],
     timeout: int = 1800,
     stand_in: probe.StandInLibcuda | None = None,
+    speculate: list[list[dict]] | None = None,
 ) -> dict:
     """Run inenv.py in the env's interpreter for these requests; its JSON, or {"error": ...}.
 
     Requests with different environments run in different interpreters: SGLang reads most of its environment
-    variables when its modules are imported, so a variable set later would change nothing."""
+    variables when its modules are imported, so a variable set later would change nothing. `speculate`: the
+    server-argument changes each request is also planned with (speculation_groups); those requests and their
+    observations follow the given ones ("speculated_requests")."""
     python = str(Path(env) / "bin" / "python")
     sp = envinspect.site_packages(Path(env))
     with contextlib.ExitStack() as stack:
@@ -219,9 +222,13 @@ def run_inenv(
         errors: list[str] = []
         loaded: list | None = []
         observations: list[dict | None] = [None] * len(jobs)
+        speculated: list[dict] = []
+        extra_observations: list[dict] = []
         for key, indexes in groups.items():
             extra = dict(json.loads(key))
             job = {"device": device_json, "requests": [jobs[i] for i in indexes], "inside": inside}
+            if speculate:
+                job["speculate"] = speculate
             result = _run_child(python, script, job, {**base_env, **extra}, tmp, timeout)
             found = result.pop("loaded", None)
             loaded = sealed.union_loaded(loaded, found if isinstance(found, list) else None)
@@ -236,9 +243,22 @@ def run_inenv(
                 observation["model_path"] = jobs[i]["model_path"]
                 observation["env"] = extra
                 observations[i] = observation
+            for entry in result.pop("speculated", None) or []:
+                of, args = entry.get("of"), entry.get("server_args")
+                if not (isinstance(of, int) and 0 <= of < len(indexes) and _scalar_args(args)):
+                    continue
+                i = indexes[of]
+                given = requests[i]
+                asked = {**_without_id(dict(given)), "server_args": {**(given.get("server_args") or {}), **args}}
+                asked["env"] = dict(given.get("env") or {})
+                observation = entry.get("observation") if isinstance(entry.get("observation"), dict) else {}
+                observation.update(id=f"speculated-{len(speculated)}", model_path=jobs[i]["model_path"], env=extra)
+                speculated.append({**asked, "id": observation["id"]})
+                extra_observations.append(observation)
         if meta is None:
             return {"error": errors[0] if errors else "no requests"}
-        meta["observations"] = observations
+        meta["observations"] = [*observations, *extra_observations]
+        meta["speculated_requests"] = speculated
         meta["notes"] = notes
         meta["loaded"] = loaded
         return meta
@@ -506,6 +526,23 @@ def hinted_requests(env: Path, job: dict) -> list[Request]:
     return out
 
 
+SPECULATION_GROUPS_MAX = 16
+SPECULATION_CHANGES_MAX = 8
+
+
+def speculation_groups(value: object) -> list[list[dict]] | None:
+    """A job's `speculate` (the controller's assemble.speculation: server-argument changes by component) when it
+    has that shape and size, else None: nothing is planned early."""
+    if not (isinstance(value, list) and 0 < len(value) <= SPECULATION_GROUPS_MAX):
+        return None
+    for group in value:
+        if not (isinstance(group, list) and 0 < len(group) <= SPECULATION_CHANGES_MAX):
+            return None
+        if not all(_scalar_args(change) and change for change in group):
+            return None
+    return value
+
+
 def forget_asked(env: Path, job: dict) -> None:
     sealed.save_derived(env, _asked_key(env, job), [])
 
@@ -531,7 +568,9 @@ def observe_job(
         if not observed.error and len(own) == len(requests) and not interpreter_failed:
             return observed
         forget_asked(env, job)
-    return observe(env, device, requests, cuda=cuda, stand_in=stand_in)
+    # Nothing remembered: what a fix search may ask for is planned beside the job, in the same interpreter.
+    speculate = speculation_groups(job.get("speculate"))
+    return observe(env, device, requests, cuda=cuda, stand_in=stand_in, speculate=speculate)
 
 
 def plan_key(env: Path | None, job: dict, gpu: object, cuda: object, base: list | None = None) -> str | None:
@@ -722,8 +761,11 @@ def observe(
     *,
     cuda: dict | None = None,
     stand_in: probe.StandInLibcuda | None = None,
+    speculate: list[list[dict]] | None = None,
 ) -> Observation:
-    """SGLang's choices for each request (one interpreter for all of them) and the env's kernel facts."""
+    """SGLang's choices for each request (one interpreter for all of them) and the env's kernel facts.
+    `speculate` (speculation_groups): each request is also planned with those changes, in the same interpreter;
+    those requests follow the given ones in the observation."""
     env = Path(env)
     result = Observation(device=device, requests=list(requests))
     if not (env / "bin" / "python").exists():
@@ -734,7 +776,8 @@ def observe(
     with ThreadPoolExecutor(max_workers=1) as beside:
         files = beside.submit(interp.yielding, file_kernel_facts, env, device.capability, cuda)
         feats = beside.submit(interp.yielding, features.report, sp, device.capability)
-        inenv = run_inenv(env, device, list(requests), stand_in=stand_in)
+        inenv = run_inenv(env, device, list(requests), stand_in=stand_in, speculate=speculate)
+        result.requests.extend(inenv.pop("speculated_requests", None) or [])
         result.loaded = inenv.pop("loaded", None)
         result.inenv = inenv
         if inenv.get("error"):
@@ -765,7 +808,8 @@ def resolve_device(spec: dict, env: Path) -> Device:
 
 
 def main(argv: list[str]) -> int:
-    """`probe.pyz serve-plan --env ENV JOB_JSON`: the observation of a job, as one JSON line."""
+    """`probe.pyz serve-plan --env ENV JOB_JSON`: the observation of a job, as one JSON line. A job
+    {"remember": [requests], "hint_for": verify job} only records what a fix search asked for (remember_asked)."""
     import argparse
     import sys
 
@@ -780,6 +824,14 @@ def main(argv: list[str]) -> int:
     # skip the walk; run alone, the generation is checked here.
     reuse = job.pop("reuse", None) or {}
     asked_after = job.pop("hint_for", None)  # the verify job whose fix search this is
+    if "remember" in job:
+        # A fix search answered by what the verify's probe planned early (speculated) asks nothing of SGLang here:
+        # what it asked for is remembered as a fix search run here would have been, for the next verify's hints.
+        asked = job["remember"]
+        if isinstance(asked_after, dict) and isinstance(asked, list):
+            remember_asked(env, asked_after, [r for r in asked[:HINTS_KEPT] if isinstance(r, dict)])
+        sys.stdout.write("{}\n")
+        return 0
     key, cuda, gpu, base = None, reuse.get("cuda"), reuse.get("gpu"), None
     if sealed.basis_still_holds(env, reuse.get("basis")) and cuda is not None:
         base = reuse["basis"]
