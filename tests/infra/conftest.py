@@ -20,6 +20,7 @@ from bwstack.fsutil import atomic_write_text, new_file_mode
 from bwstack.lock.model import Lock, Profile
 from bwstack.probe import schema, waivers
 from bwstack.probe.generation import GenerationFacts
+from bwstack.probe.serveplan import node
 from bwstack.serveplan import assemble, catalogue
 from bwstack.serveplan.check import request_of
 
@@ -245,7 +246,8 @@ def run_serve_plan(host, config: pytest.Config, env_path: str, job: dict) -> dic
 
 
 def remember_asked(host, config: pytest.Config, env_path: str, requests: list[dict], asked_after: dict) -> None:
-    """Have the node remember what a fix search asked for after the verify job (no planning): best effort, as the
+    """Have the node remember what a fix search asked for after the verify job (no planning): its next probe
+    plans that beside the job, and keeps it in the recorded plan of an unchanged generation. Best effort, as the
     node's own remembering is."""
     remote = _remote_probe(host)
     python = _python(host, config.getoption("--stack-env"))
@@ -318,7 +320,9 @@ def plan_again(host, request: pytest.FixtureRequest, facts: dict):
     def run(requests: list[dict]) -> dict:
         planned = assemble.already_planned(observed, requests)  # the probe planned them beside the model
         if planned is not None:
-            if asked_after is not None and any(str(r.get("id")).startswith("speculated-") for r in planned["requests"]):
+            if asked_after is not None and any(
+                str(r.get("id")).startswith(node.SPECULATED_PREFIX) for r in planned["requests"]
+            ):
                 # Planned early, as nothing was remembered: the node remembers what this search asked for.
                 asked = [{k: v for k, v in r.items() if k != "id"} for r in requests]
                 remember_asked(host, request.config, facts["env"]["path"], asked, asked_after)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from helpers import needs_py312
 
-from bwstack.probe import interp
+from bwstack.probe import interp, sealed
 from bwstack.probe.serveplan import node
 from bwstack.serveplan import assemble, catalogue
 
@@ -66,10 +66,10 @@ def test_the_requests_planned_early_hold_every_server_argument_change_each_recor
             [{"a": 2}, {"b": 1}, {"a": 2, "b": 1}],
         ),
         (
-            "the other changes of a component come alone, after",
+            "every change alone first, then the combinations of the firsts",
             [[{"a": 1}, {"a": 2}], [{"b": 1}]],
             {},
-            [{"a": 1}, {"b": 1}, {"a": 1, "b": 1}, {"a": 2}],
+            [{"a": 1}, {"b": 1}, {"a": 2}, {"a": 1, "b": 1}],
         ),
         ("nothing to change", [[{"a": 1}]], {"a": 1}, []),
     ],
@@ -78,10 +78,12 @@ def test_which_changes_are_planned_early(case, groups, values, expected):
     assert _planner()["_variants"](groups, values) == expected, case
 
 
-def test_the_changes_planned_early_are_bounded():
+def test_the_changes_planned_early_are_bounded_as_they_are_made():
     planner = _planner()
-    groups = [[{f"k{i}": 1}] for i in range(10)]  # 1023 combinations
-    assert len(planner["_variants"](groups, {})) == planner["SPECULATED_MAX"]
+    groups = [[{f"k{i}": 1}] for i in range(16)]  # 65535 combinations: made one by one, it stops at the bound
+    variants = planner["_variants"](groups, {})
+    assert len(variants) == planner["SPECULATED_MAX"]
+    assert variants[:16] == [{f"k{i}": 1} for i in range(16)]
 
 
 def test_speculation_is_the_catalogues_server_argument_changes_without_environment_ones():
@@ -152,6 +154,18 @@ def test_the_requests_planned_early_follow_the_given_ones_and_say_so(tmp_path: P
     assert len(observed.inenv["observations"]) == 2
 
 
+def test_when_planning_early_fails_the_given_requests_are_planned_again_without(tmp_path: Path):
+    env = _env_speculating(tmp_path)
+    fake = env / "bin" / "python"
+    # the interpreter dies while planning early (a crash, a hang cut at the time limit): no result at all
+    fake.write_text(fake.read_text().replace("found = [", "if job.get('speculate'):\n    sys.exit(-11)\nfound = ["))
+    speculate = [[{"sampling_backend": "pytorch"}]]
+    observed = node.observe_speculating(env, DEVICE, [dict(REQUEST)], speculate)
+    assert observed.error is None, observed.error
+    assert [r["id"] for r in observed.requests] == ["model-0"]
+    assert observed.inenv["observations"][0]["steps"]["server_args"]["ok"]
+
+
 def test_nothing_is_planned_early_without_speculation(tmp_path: Path):
     env = _env_speculating(tmp_path)
     observed = node.observe(env, DEVICE, [dict(REQUEST)])
@@ -210,7 +224,55 @@ def test_a_fix_search_answered_early_is_remembered_as_one_run_on_the_node(built,
 @needs_py312
 @pytest.mark.parametrize("hint_for", [None, "a job", ["a job"]], ids=["none", "string", "list"])
 def test_a_remember_without_its_verify_job_remembers_nothing(built, capsys, hint_for):
-    job = {"device": JOB_DEVICE, "requests": [REQUEST]}
     asked = {"model": REQUEST["model"], "tp": 8, "server_args": {"sampling_backend": "pytorch"}, "env": {}}
+    cache = sealed.derived_cache(built.ml_env)
+    before = cache.read_bytes() if cache.exists() else None
     assert node.main(["--env", str(built.ml_env), json.dumps({"remember": [asked], "hint_for": hint_for})]) == 0
-    assert node.hinted_requests(built.ml_env, job) == []
+    assert (cache.read_bytes() if cache.exists() else None) == before  # nothing written, under any key
+
+
+def _planned_early(run: dict) -> dict:
+    """A recorded run as a verify's probe records it when it planned early: the first request is the job's own,
+    the others speculated."""
+    requests = [
+        run["requests"][0],
+        *({**r, "id": f"{node.SPECULATED_PREFIX}{i}"} for i, r in enumerate(run["requests"][1:])),
+    ]
+    return {**run, "requests": requests}
+
+
+@needs_py312
+def test_a_later_verify_keeps_of_the_plans_made_early_only_what_fix_searches_asked_for(built):
+    run = _planned_early(recorded("gpt-oss-20b-tp8-sm120")["runs"][0])  # four requests, three planned early
+    env = built.ml_env
+    job = {"device": run["device"], "requests": [run["requests"][0]], "speculate": [[{"sampling_backend": "x"}]]}
+    key = node.plan_key(env, job, [], {"home": "/usr/local/cuda-12.8"})
+    sealed.save_derived(env, key, {**run, "loaded": []})
+    asked = [{k: v for k, v in run["requests"][i].items() if k != "id"} for i in (2, 3)]
+    node.remember_asked(env, job, asked[:1])
+    node.remember_asked(env, job, asked[1:])  # a fix search's second ask: what the first asked stays
+    kept = node.recorded_plan_for(env, key, job).plan
+    assert [{k: v for k, v in r.items() if k != "id"} for r in kept["requests"]] == [
+        {k: v for k, v in run["requests"][i].items() if k != "id"} for i in (0, 2, 3)
+    ]
+    assert [r["id"] for r in kept["requests"]] == [run["requests"][0]["id"], "asked-1", "asked-2"]
+    assert kept["inenv"]["observations"] == [run["inenv"]["observations"][i] for i in (0, 2, 3)]
+    assert sealed.load_derived(env, key)["requests"] == kept["requests"]  # recorded so: the next read is small
+
+
+@needs_py312
+def test_a_plan_made_early_that_no_fix_search_asked_for_is_dropped_at_the_next_verify(built):
+    run = _planned_early(recorded("gpt-oss-20b-tp8-sm120")["runs"][0])
+    job = {"device": run["device"], "requests": [run["requests"][0]]}
+    key = node.plan_key(built.ml_env, job, [], {})
+    sealed.save_derived(built.ml_env, key, {**run, "loaded": []})
+    assert node.recorded_plan_for(built.ml_env, key, job).plan["requests"] == [run["requests"][0]]
+
+
+@pytest.mark.parametrize(
+    "recorded_plan",
+    [None, "a plan", {"requests": [1], "inenv": {"observations": []}}, {"requests": [], "inenv": "x"}],
+    ids=["none", "not-a-mapping", "requests-and-observations-differ", "inenv-not-a-mapping"],
+)
+def test_a_malformed_recorded_plan_is_left_as_it_is(recorded_plan):
+    assert node.keep_asked(recorded_plan, [{"model": "m"}], own=1) is None

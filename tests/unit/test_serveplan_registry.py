@@ -99,6 +99,8 @@ elif question == "supported":
     answer = [a in registry.ModelRegistry.get_supported_archs() for a in requests[0]["ask"]]
 elif question == "all":
     answer = sorted(registry.ModelRegistry.get_supported_archs())
+elif question == "repr":
+    answer = repr(registry.ModelRegistry.get_supported_archs())
 print(json.dumps({"narrowed": narrowed, "first": first, "answer": answer, "after": sorted(registry.IMPORTED),
                   "switch": os.environ.get("SGLANG_DISABLED_MODEL_ARCHS")}))
 """
@@ -176,6 +178,34 @@ def test_the_list_of_supported_architectures_is_the_whole_registrys(site: Path):
     assert narrowed == whole["answer"] == [
         "AlphaForCausalLM", "BetaForCausalLM", "DeltaForCausalLM", "GammaEagle3", "GammaForCausalLM",
     ]  # fmt: skip
+
+
+def test_the_supported_architectures_read_as_the_whole_registrys_in_its_order(site: Path):
+    """SGLang prints them when a model is not supported: the same text, narrowed or not."""
+    narrowed = _plan(site, [{"model_path": _model(site, "beta", ["BetaForCausalLM"])}], "repr")
+    whole = _plan(site, [{"model_path": "/nonexistent"}], "repr")
+    assert narrowed["narrowed"] is not None and whole["narrowed"] is None
+    assert narrowed["answer"] == whole["answer"] and whole["answer"].startswith("dict_keys([")
+
+
+def test_a_whole_read_that_fails_fails_again_at_the_next_question(site: Path):
+    """The narrowed registry never answers from its part after the whole registry could not be read."""
+    broken = site / "site" / "sglang" / "srt" / "models" / "gamma.py"
+    broken.write_text(broken.read_text() + "\nraise SystemExit('gamma cannot be imported')\n")
+    program = PROGRAM.replace(
+        'if question == "resolve":',
+        "tries = []\nfor _ in range(2):\n    try:\n"
+        '        tries.append("GammaForCausalLM" in registry.ModelRegistry.models)\n'
+        '    except BaseException as exc:\n        tries.append(str(exc))\nanswer = tries\nif question == "resolve":',
+    )
+    request = {"model_path": _model(site, "beta", ["BetaForCausalLM"])}
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_")}
+    environ.update(PYTHONPATH=str(site / "site"), PYTHONDONTWRITEBYTECODE="1")
+    done = subprocess.run(
+        [sys.executable, "-c", program, str(site / "serveplan.py"), json.dumps([request]), "none"],
+        capture_output=True, text=True, env=environ, timeout=60, check=True,
+    )  # fmt: skip
+    assert json.loads(done.stdout.strip().splitlines()[-1])["answer"] == ["gamma cannot be imported"] * 2
 
 
 def test_the_operators_own_disabled_modules_stay_disabled_and_the_switch_is_restored(site: Path):

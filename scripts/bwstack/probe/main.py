@@ -765,7 +765,7 @@ def collect(
                 from bwstack.probe.serveplan import node
 
                 plan_key = node.plan_key(env, serve_plan, gpu_key, facts["cuda"]) if reusable else None
-                recorded = node.recorded_plan(env, plan_key)
+                recorded = node.recorded_plan_for(env, plan_key, serve_plan)
                 facts["serve_plan"] = recorded.plan
                 if recorded.moved is not None:  # a library or module SGLang loaded changed: it plans again
                     facts["facts_source"]["serve_plan_again"] = recorded.moved

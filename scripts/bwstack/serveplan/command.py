@@ -102,7 +102,7 @@ def serve_plan(args: argparse.Namespace):
     cat = catalogue.load()
     # What the fix search may ask for is planned beside the model, in the same start of SGLang.
     speculate = None if args.no_fix else assemble.speculation(cat)
-    first = node.observe(env, device, [request], speculate=speculate)
+    first = node.observe_speculating(env, device, [request], speculate)
     observation = first.as_dict()
     cuda = observation["kernels"].get("nvcc")
 

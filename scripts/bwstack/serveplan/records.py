@@ -20,8 +20,9 @@ class Verdict(str, Enum):
 
 # Every component a plan's paths name (assemble's rows): catalogue entries and remedies name one of these.
 COMPONENTS = (
-    "server arguments", "quantization", "attention", "speculative decoding", "attention (draft decode)",
-    "attention (draft extend)", "sampling", "dense GEMM", "MoE", "all-reduce",
+    "server arguments", "quantization", "attention", "attention (prefill)", "attention (decode)",
+    "speculative decoding", "attention (draft decode)", "attention (draft extend)", "sampling", "dense GEMM", "MoE",
+    "all-reduce",
 )  # fmt: skip
 
 

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import re
+import stat
 import sys
 import traceback
 from types import SimpleNamespace
@@ -310,6 +311,7 @@ def _callable_name(fn) -> str | None:
 # ------------------------------------------------------------------------------------------------ model registry
 
 REGISTRY = "sglang.srt.models.registry"
+CONFIG_MAX_BYTES = 4 << 20
 MODELS = "sglang.srt.models"
 
 
@@ -322,10 +324,14 @@ def _architectures(requests: list) -> set[str] | None:
             folder = request.get(key)
             if not folder:
                 continue
-            try:
-                with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+            path = os.path.join(folder, "config.json")
+            try:  # a regular file of a config's size (SGLang reads the same file; a FIFO would hold it too)
+                st = os.stat(path)
+                if not stat.S_ISREG(st.st_mode) or st.st_size > CONFIG_MAX_BYTES:
+                    return None
+                with open(path, encoding="utf-8") as f:
                     archs = json.load(f).get("architectures")
-            except (OSError, ValueError, AttributeError):
+            except (OSError, ValueError, AttributeError, RecursionError):
                 return None
             if not (isinstance(archs, list) and archs and all(isinstance(a, str) and a.isidentifier() for a in archs)):
                 return None
@@ -380,6 +386,33 @@ def _modules_registering(names: set[str]) -> tuple[list[str], list[str]] | None:
     return naming, rest
 
 
+class _Keys:
+    """_Registered.keys(): membership asks the registry (a miss reads the whole of it); anything else is the
+    whole registry's dict_keys."""
+
+    def __init__(self, registered) -> None:
+        self._registered = registered
+
+    def __contains__(self, arch) -> bool:
+        return arch in self._registered
+
+    def _all(self):
+        self._registered._whole()
+        return dict.keys(self._registered)
+
+    def __iter__(self):
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __repr__(self) -> str:
+        return repr(self._all())
+
+    def __getattr__(self, name):
+        return getattr(self._all(), name)
+
+
 class _Registered(dict):
     """SGLang's ModelRegistry.models after a narrowed import: the classes of the modules that name the requests'
     architectures. A question it cannot answer exactly (an architecture it lacks, the list of all) imports every
@@ -392,9 +425,10 @@ class _Registered(dict):
 
     def _whole(self) -> None:
         if self._complete is not None:
-            complete, self._complete = self._complete, None
-            for arch, cls in complete().items():
-                dict.setdefault(self, arch, cls)
+            whole = dict(self._complete())  # raises as the registry's import would, again at the next question
+            self._complete = None
+            dict.clear(self)  # the whole registry's entries in its own order (the narrowed ones are among them)
+            dict.update(self, whole)
 
     def __contains__(self, arch) -> bool:
         if not dict.__contains__(self, arch):
@@ -412,9 +446,7 @@ class _Registered(dict):
         return default
 
     def keys(self):
-        from collections.abc import KeysView
-
-        return KeysView(self)
+        return _Keys(self)
 
     def __iter__(self):
         self._whole()
@@ -474,7 +506,8 @@ def _variants(groups: list, values: dict) -> list[dict]:
     """The server-argument changes a fix search would ask to plan for a request whose resolved arguments are
     `values`, given the catalogue's changes by component (`groups`, the controller's assemble.speculation): per
     component, the changes that are not already what the plan runs (the first of them is the one a fix search
-    tries first); every combination of those firsts, smallest first, then each other change alone."""
+    tries first); each change alone, then every combination of the firsts, smallest first (at most
+    SPECULATED_MAX, counted as they are made)."""
     import itertools
 
     firsts: list[dict] = []
@@ -484,19 +517,23 @@ def _variants(groups: list, values: dict) -> list[dict]:
         if live:
             firsts.append(live[0])
             others.extend(live[1:])
-    out: list[dict] = []
-    for size in range(1, len(firsts) + 1):
-        for combination in itertools.combinations(firsts, size):
-            merged: dict = {}
-            for alt in combination:
-                merged.update(alt)
-            out.append(merged)
-    out.extend(others)
+    singles = ([alt] for alt in [*firsts, *others])
+    combined = (
+        combination for size in range(2, len(firsts) + 1) for combination in itertools.combinations(firsts, size)
+    )
     unique: list[dict] = []
-    for args in out:
-        if args not in unique:
-            unique.append(args)
-    return unique[:SPECULATED_MAX]
+    seen: set[str] = set()
+    for parts in itertools.chain(singles, combined):
+        merged: dict = {}
+        for alt in parts:
+            merged.update(alt)
+        key = json.dumps(merged, sort_keys=True, default=str)
+        if key not in seen:
+            seen.add(key)
+            unique.append(merged)
+            if len(unique) == SPECULATED_MAX:
+                break
+    return unique
 
 
 def _speculate(observer, requests: list, observations: list, groups: list) -> list[dict]:
@@ -660,7 +697,10 @@ class Observer:
         from sglang.srt.model_loader.utils import get_model_architecture
 
         if self.registry is None:  # where SGLang itself imports the registry: the first model resolved
-            self.registry = _import_registry_narrowed(self.requests) or ""
+            try:
+                self.registry = _import_registry_narrowed(self.requests) or ""
+            except Exception:  # SGLang's own import, in get_model_architecture, then says what is wrong
+                self.registry = ""
         arch_cls, arch_error = _attempt(lambda: get_model_architecture(mc)[0])
         steps["model"] = {
             "ok": True,
@@ -1132,8 +1172,6 @@ def main(argv: list[str]) -> int:
             result["observations"].append({"id": request.get("id"), "crashed": _error(exc), "steps": {}})
     if job.get("speculate"):
         result["speculated"] = _speculate(observer, job["requests"], result["observations"], job["speculate"])
-    if observer.registry:
-        result["model_registry"] = observer.registry
     # What the plans depended on outside the env (and the run's own folders): a verify reuses them only while
     # all of it is as it was, as it does the import checks' outcome.
     inside = [p for p in job.get("inside") or [] if isinstance(p, str) and p]

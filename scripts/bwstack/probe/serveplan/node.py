@@ -252,7 +252,9 @@ def run_inenv(
                 asked = {**_without_id(dict(given)), "server_args": {**(given.get("server_args") or {}), **args}}
                 asked["env"] = dict(given.get("env") or {})
                 observation = entry.get("observation") if isinstance(entry.get("observation"), dict) else {}
-                observation.update(id=f"speculated-{len(speculated)}", model_path=jobs[i]["model_path"], env=extra)
+                observation.update(
+                    id=f"{SPECULATED_PREFIX}{len(speculated)}", model_path=jobs[i]["model_path"], env=extra
+                )
                 speculated.append({**asked, "id": observation["id"]})
                 extra_observations.append(observation)
         if meta is None:
@@ -526,6 +528,7 @@ def hinted_requests(env: Path, job: dict) -> list[Request]:
     return out
 
 
+SPECULATED_PREFIX = "speculated-"  # the id of a request planned early (the controller's remember call looks for it)
 SPECULATION_GROUPS_MAX = 16
 SPECULATION_CHANGES_MAX = 8
 
@@ -562,15 +565,39 @@ def observe_job(
     hints = hinted_requests(env, job)
     if hints:
         observed = observe(env, device, [*requests, *hints], cuda=cuda, stand_in=stand_in)
-        found = (observed.inenv or {}).get("observations") or []
-        own = found[: len(requests)]
-        interpreter_failed = any(((o or {}).get("crashed") or {}).get("type") == "EnvError" for o in own)
-        if not observed.error and len(own) == len(requests) and not interpreter_failed:
+        if _planned_own(observed, len(requests)):
             return observed
         forget_asked(env, job)
     # Nothing remembered: what a fix search may ask for is planned beside the job, in the same interpreter.
     speculate = speculation_groups(job.get("speculate"))
-    return observe(env, device, requests, cuda=cuda, stand_in=stand_in, speculate=speculate)
+    return observe_speculating(env, device, requests, speculate, cuda=cuda, stand_in=stand_in)
+
+
+def _planned_own(observed: Observation, own: int) -> bool:
+    """Whether a run with more requests beside the given ones planned those: an interpreter that crashed, hung
+    or ran out of time takes every request of it along."""
+    found = (observed.inenv or {}).get("observations") or []
+    mine = found[:own]
+    failed = any(((o or {}).get("crashed") or {}).get("type") == "EnvError" for o in mine)
+    return not observed.error and len(mine) == own and not failed
+
+
+def observe_speculating(
+    env: Path,
+    device: Device,
+    requests: list[Request],
+    speculate: list[list[dict]] | None,
+    *,
+    cuda: dict | None = None,
+    stand_in: probe.StandInLibcuda | None = None,
+) -> Observation:
+    """observe() with `speculate`'s requests planned beside the given ones; when that run fails for the given
+    ones, they are planned again without: what is planned early never changes a verdict."""
+    if speculate:
+        observed = observe(env, device, requests, cuda=cuda, stand_in=stand_in, speculate=speculate)
+        if _planned_own(observed, len(requests)):
+            return observed
+    return observe(env, device, requests, cuda=cuda, stand_in=stand_in)
 
 
 def plan_key(env: Path | None, job: dict, gpu: object, cuda: object, base: list | None = None) -> str | None:
@@ -735,13 +762,51 @@ def fold_into(recorded: object, answer: object, own: int) -> dict | None:
     return {**recorded, "requests": requests, "inenv": {**inenv, "observations": found}, "loaded": loaded}
 
 
+def keep_asked(recorded: object, asked: list, own: int) -> dict | None:
+    """The recorded plan of a job with its `own` requests, those planned beside them as hints, and of those it
+    planned early (speculated) only the ones a fix search asked for (`asked`, what the node remembers), renamed
+    as asked. None when the plan is malformed or holds nothing planned early."""
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("inenv"), dict):
+        return None
+    pairs = _pairs(recorded, recorded["inenv"])
+    if pairs is None or not any(_speculated(r) for r in pairs[0]):
+        return None
+    wanted = [_normal(r) for r in asked if isinstance(r, dict)]
+    requests, found = [], []
+    for index, (request, observed) in enumerate(zip(*pairs, strict=True)):
+        if index >= own and _speculated(request):
+            if _normal(request) not in wanted:
+                continue
+            request = {**request, "id": f"asked-{len(requests)}"}
+        requests.append(request)
+        found.append(observed)
+    return {**recorded, "requests": requests, "inenv": {**recorded["inenv"], "observations": found}}
+
+
+def _speculated(request: object) -> bool:
+    return isinstance(request, dict) and str(request.get("id", "")).startswith(SPECULATED_PREFIX)
+
+
+def recorded_plan_for(env: Path, key: str | None, job: dict) -> Recorded:
+    """recorded_plan(), less what it planned early (speculated) that no fix search asked for since (keep_asked),
+    and recorded so: the plans made early serve the first verify's fix search; a later verify of the unchanged
+    generation reads and sends only what fix searches use."""
+    recorded = recorded_plan(env, key)
+    kept = keep_asked(recorded.plan, sealed.load_derived(env, _asked_key(env, job)) or [], len(job["requests"]))
+    if kept is None:
+        return recorded
+    sealed.save_derived(env, key, {**kept, "loaded": recorded.loaded})
+    return Recorded(kept, recorded.loaded)
+
+
 def _loaded_list(doc: dict) -> list | None:
     found = doc.get("loaded")
     return found if isinstance(found, list) else None
 
 
-def remember_asked(env: Path, job: dict, requests: list[dict]) -> None:
-    """Remember the requests a fix search asked for after `job` (best effort, the store's owner only)."""
+def remember_asked(env: Path, job: dict, requests: list[dict]) -> list[dict]:
+    """Remember the requests a fix search asked for after `job` (best effort, the store's owner only); returns
+    every request remembered for it now."""
     key = _asked_key(env, job)
     known = sealed.load_derived(env, key)
     known = [r for r in known if isinstance(r, dict)] if isinstance(known, list) else []
@@ -749,6 +814,7 @@ def remember_asked(env: Path, job: dict, requests: list[dict]) -> None:
         if isinstance(request, dict) and _without_id(request) not in known:
             known.append(_without_id(request))
     sealed.save_derived(env, key, known[-HINTS_KEPT:])
+    return known[-HINTS_KEPT:]
 
 
 # ------------------------------------------------------------------------------------------------ entry
@@ -850,12 +916,15 @@ def main(argv: list[str]) -> int:
             key = None
         result, loaded = record_plan(env, key, observed), observed.loaded
     if isinstance(asked_after, dict):
-        remember_asked(env, asked_after, job["requests"])
+        remembered = remember_asked(env, asked_after, job["requests"])
         if key is not None and loaded is not None:  # as sealed: the answer holds for the verify job's plan too
             job_key = plan_key(env, asked_after, gpu, cuda, base=base)  # base: the verify's own, when it gave one
             own = asked_after.get("requests")
             answer = {**result, "loaded": loaded}
-            folded = fold_into(sealed.load_derived(env, job_key), answer, len(own) if isinstance(own, list) else 0)
+            count = len(own) if isinstance(own, list) else 0
+            held = sealed.load_derived(env, job_key)
+            held = keep_asked(held, remembered, count) or held  # what was planned early and not asked: not kept
+            folded = fold_into(held, answer, count)
             if folded is not None:
                 sealed.save_derived(env, job_key, folded)
     sys.stdout.write(json.dumps(result, default=str) + "\n")
