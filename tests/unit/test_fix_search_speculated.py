@@ -108,7 +108,7 @@ def _env_speculating(tmp_path: Path) -> Path:
         "class Observer:\n"
         "    def observe(self, request):\n"
         "        values = {'attention_backend': 'flashinfer', 'sampling_backend': 'flashinfer'}\n"
-        "        values.update(request.get('server_args') or {})\n"
+        "        values.update(request.get('server_args') or {}, planned_model=request['model_path'])\n"
         "        return {'id': request.get('id'), 'steps': {'server_args': {'ok': True, 'values': values}}}\n"
         "found = [Observer().observe(r) for r in job['requests']]\n"
         "result = {'observations': found}\n"
@@ -164,6 +164,23 @@ def test_when_planning_early_fails_the_given_requests_are_planned_again_without(
     assert observed.error is None, observed.error
     assert [r["id"] for r in observed.requests] == ["model-0"]
     assert observed.inenv["observations"][0]["steps"]["server_args"]["ok"]
+
+
+def test_plans_made_early_in_interpreters_of_their_own_go_with_their_own_requests(tmp_path: Path):
+    """Requests of other environments plan in other interpreters: each plan made early is its request's."""
+    env = _env_speculating(tmp_path)
+    requests = [
+        {"id": "model-0", "model": "llama-3.1-8b-instruct", "tp": 8, "env": {"SGLANG_X": "1"}},
+        {"id": "model-1", "model": "gpt-oss-20b", "tp": 8},
+        {"id": "model-2", "model": "qwen3-30b-a3b", "tp": 8, "env": {"SGLANG_X": "1"}},
+    ]
+    observed = node.observe(env, DEVICE, requests, speculate=[[{"sampling_backend": "pytorch"}]])
+    found = observed.inenv["observations"]
+    assert len(observed.requests) == len(found) == 6
+    for request, observation in zip(observed.requests, found, strict=True):
+        assert observation["steps"]["server_args"]["values"]["planned_model"].endswith("/" + request["model"])
+        assert observation["env"] == (request.get("env") or {})
+    assert [r["model"] for r in observed.requests[3:]] == ["llama-3.1-8b-instruct", "qwen3-30b-a3b", "gpt-oss-20b"]
 
 
 def test_nothing_is_planned_early_without_speculation(tmp_path: Path):
