@@ -237,11 +237,14 @@ def collect(host, config: pytest.Config, capability: str, serve_plan: dict | Non
     return _facts_of(host, _run(host, command, expect_ok=False), "the bwstack probe", read=schema.parse)
 
 
+def _serve_plan_command(host, config: pytest.Config, env_path: str, job: dict) -> str:
+    python = _python(host, config.getoption("--stack-env"))
+    return _probe_command(python, _remote_probe(host), ["serve-plan", "--env", env_path, json.dumps(job)])
+
+
 def run_serve_plan(host, config: pytest.Config, env_path: str, job: dict) -> dict:
     """Plan more requests on the node (the fix search plans the model again with candidate flags)."""
-    remote = _remote_probe(host)
-    python = _python(host, config.getoption("--stack-env"))
-    command = _probe_command(python, remote, ["serve-plan", "--env", env_path, json.dumps(job)])
+    command = _serve_plan_command(host, config, env_path, job)
     return _facts_of(host, _run(host, command, expect_ok=False), "serve-plan")
 
 
@@ -249,11 +252,9 @@ def remember_asked(host, config: pytest.Config, env_path: str, requests: list[di
     """Have the node remember what a fix search asked for after the verify job (no planning): its next probe
     plans that beside the job, and keeps it in the recorded plan of an unchanged generation. Best effort, as the
     node's own remembering is."""
-    remote = _remote_probe(host)
-    python = _python(host, config.getoption("--stack-env"))
     job = {"remember": requests, "hint_for": asked_after}
     try:
-        _run(host, _probe_command(python, remote, ["serve-plan", "--env", env_path, json.dumps(job)]), expect_ok=False)
+        _run(host, _serve_plan_command(host, config, env_path, job), expect_ok=False)
     except HostUnavailable:
         return  # the plans are in hand; the next probe call on this host says what went wrong
 

@@ -245,6 +245,21 @@ def test_the_whole_registry_is_imported_when_the_narrowing_cannot_be_sure(site: 
     assert out["first"] == ["alpha", "beta", "delta", "gamma"], case
 
 
+@pytest.mark.parametrize("kind", ["fifo", "oversized"])
+def test_a_config_json_that_is_no_small_regular_file_narrows_nothing_and_is_not_read(site: Path, kind):
+    """A FIFO would hold the planner (SGLang reads the same file later, and its own read says what is wrong)."""
+    folder = site / "models" / "m"
+    folder.mkdir(parents=True)
+    config = folder / "config.json"
+    if kind == "fifo":
+        os.mkfifo(config)  # nothing ever writes it: a read would block until the test's time limit
+    else:
+        config.write_text(json.dumps({"architectures": ["BetaForCausalLM"], "pad": "x" * (5 << 20)}))
+    out = _plan(site, [{"model_path": str(folder)}])
+    assert out["narrowed"] is None
+    assert out["first"] == ["alpha", "beta", "delta", "gamma"]
+
+
 @pytest.mark.parametrize(
     ("case", "text", "names", "registers"),
     [

@@ -248,9 +248,8 @@ def run_inenv(
                 if not (isinstance(of, int) and 0 <= of < len(indexes) and _scalar_args(args)):
                     continue
                 i = indexes[of]
-                given = requests[i]
-                asked = {**_without_id(dict(given)), "server_args": {**(given.get("server_args") or {}), **args}}
-                asked["env"] = dict(given.get("env") or {})
+                asked = _normal(dict(requests[i]))  # as a fix search builds it: the given request, changed
+                asked["server_args"] = {**asked["server_args"], **args}
                 observation = entry.get("observation") if isinstance(entry.get("observation"), dict) else {}
                 observation.update(
                     id=f"{SPECULATED_PREFIX}{len(speculated)}", model_path=jobs[i]["model_path"], env=extra
