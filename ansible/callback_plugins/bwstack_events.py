@@ -21,7 +21,7 @@ DOCUMENTATION = """
       - the BWSTACK_EVENTS environment variable
 """
 
-_KEEP = ("changed", "failed", "skipped", "unreachable", "rc", "delta", "msg", "stdout", "stderr_lines", "finished")
+_KEEP = ("changed", "failed", "skipped", "unreachable", "rc", "delta", "msg", "stdout", "stderr_lines")
 _MAX_TEXT = 64 << 10
 
 
@@ -71,9 +71,7 @@ class CallbackModule(CallbackBase):
             raw = {k: raw[k] for k in ("changed", "failed", "skipped", "unreachable", "rc") if k in raw}
         kept = {k: _short(raw[k]) for k in _KEEP if k in raw}
         if isinstance(raw.get("result"), dict):  # bwstack_node: the command's JSON (the build's timings)
-            # (the early fetch's: what it downloaded, for its phase line)
-            wanted = ("timings", "actions", "generation", "fetch", "wheels")
-            kept["result"] = {k: raw["result"][k] for k in wanted if k in raw["result"]}
+            kept["result"] = {k: raw["result"][k] for k in ("timings", "actions", "generation") if k in raw["result"]}
         if "results" in raw and isinstance(raw["results"], list):  # loops: the failing item's message
             failed = [r for r in raw["results"] if isinstance(r, dict) and r.get("failed")]
             if failed and "msg" not in kept:

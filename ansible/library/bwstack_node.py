@@ -1,5 +1,5 @@
 #!/usr/bin/python
-"""Ansible module: run bwstack's node operations (build, fetch, rollback, cuda) with check mode and --diff.
+"""Ansible module: run bwstack's node operations (build, rollback, cuda) with check mode and --diff.
 
 The work is done by the `bwstack` CLI installed on the node (one implementation for the CLI, the roles and
 the Docker build); this module only maps check mode to `bwstack build --check`, reads `changed` from the
@@ -11,13 +11,12 @@ from __future__ import annotations
 DOCUMENTATION = r"""
 ---
 module: bwstack_node
-short_description: Build, fetch, roll back or install a CUDA toolkit with the bwstack CLI on a node
+short_description: Build, roll back or install a CUDA toolkit with the bwstack CLI on a node
 description:
-  - Runs C(bwstack build), C(bwstack build --fetch-only), C(bwstack rollback) or C(bwstack cuda install) on the
-    node and reports C(changed) from bwstack's JSON. C(status) changes nothing and returns the active generation
-    (C(active), from C(bwstack generations --json); null where there is none or bwstack is not installed yet).
-  - In check mode it runs C(bwstack build --check) or C(bwstack cuda status) and changes nothing (C(fetch)
-    runs nothing).
+  - Runs C(bwstack build), C(bwstack rollback) or C(bwstack cuda install) on the node and reports
+    C(changed) from bwstack's JSON. C(status) changes nothing and returns the active generation (C(active),
+    from C(bwstack generations --json); null where there is none or bwstack is not installed yet).
+  - In check mode it runs C(bwstack build --check) or C(bwstack cuda status) and changes nothing.
   - With C(--diff) it shows the active generation before and after, and the planned actions.
 options:
   bwstack:
@@ -32,7 +31,7 @@ options:
     description: What to do.
     type: str
     required: true
-    choices: [build, fetch, rollback, cuda, status]
+    choices: [build, rollback, cuda, status]
   profile:
     description: The lock's profile (empty for its default; for rollback, the newest generation of it).
     type: str
@@ -265,24 +264,6 @@ def do_build(r: Runner) -> dict:
     }
 
 
-def do_fetch(r: Runner) -> dict:
-    """Only the build's first step: the profile's env wheels into the node's store (changed: some were
-    downloaded). Check mode fetches nothing."""
-    p = r.p
-    if r.module.check_mode:
-        return {"changed": False, "switched": False, "active_before": None, "msg": "check mode: nothing fetched"}
-    _, result, err = r.run("build", "--fetch-only", *_profile_args(p), *_store_args(p), *_source_args(p), "--json")
-    return {
-        "changed": bool(result.get("changed")),
-        "switched": False,
-        "result": result,
-        "active_before": None,
-        "msg": f"{result.get('wheels')} wheels in the store, "
-        f"{(result.get('fetch') or {}).get('files_stored', 0)} put there now",
-        "log": err.strip().splitlines()[-60:],
-    }
-
-
 def do_rollback(r: Runner) -> dict:
     """The target is bwstack's to choose (bwstack.provision.build.rollback_target, through `bwstack rollback
     [--check]`): this module never picks a generation itself, so check mode predicts what the run does."""
@@ -371,7 +352,7 @@ def main() -> None:
         argument_spec={
             "bwstack": {"type": "path", "required": True},
             "lock": {"type": "path", "required": True},
-            "action": {"type": "str", "required": True, "choices": ["build", "fetch", "rollback", "cuda", "status"]},
+            "action": {"type": "str", "required": True, "choices": ["build", "rollback", "cuda", "status"]},
             "profile": {"type": "str", "default": ""},
             "to": {"type": "str", "default": ""},
             "rebuild": {"type": "bool", "default": False},
@@ -408,7 +389,7 @@ def main() -> None:
             "run the bwstack_tool role (provision.yml) first",
             active_before=None,
         )
-    actions = {"build": do_build, "fetch": do_fetch, "rollback": do_rollback, "cuda": do_cuda, "status": do_status}
+    actions = {"build": do_build, "rollback": do_rollback, "cuda": do_cuda, "status": do_status}
     result = actions[module.params["action"]](runner)
     module.exit_json(**result)
 

@@ -78,8 +78,6 @@ NOT_IN_THE_RECEIPT = {
     "bwstack_mlenv_rollback_to": "rollback.yml only",
     "bwstack_mlenv_rollback_profile": "rollback.yml only",
     "bwstack_mlenv_rollback_rebuild": "rollback.yml only",
-    "bwstack_mlenv_fetch_early": "when the wheels are fetched, not which: the node ends the same",
-    "bwstack_mlenv_fetch_timeout": "when the wheels are fetched, not which: the node ends the same",
     "bwstack_verify_profile": "verify, which runs on the fast path too",
     "bwstack_verify_runtime": "verify, which runs on the fast path too",
     "bwstack_verify_capability": "verify, which runs on the fast path too",
@@ -136,8 +134,7 @@ def test_every_playbook_task_uses_fqcn_or_the_bwstack_module():
     allowed_short = {"bwstack_node"}
     keywords = {"name", "when", "register", "tags", "vars", "notify", "loop", "block", "rescue", "always",
                 "delegate_to", "run_once", "check_mode", "changed_when", "failed_when", "ignore_errors", "become",
-                "no_log", "environment", "listen", "until", "retries", "delay", "args", "diff", "timeout", "async",
-                "poll"}  # fmt: skip
+                "no_log", "environment", "listen", "until", "retries", "delay", "args", "diff", "timeout"}  # fmt: skip
     for path in list((ANSIBLE / "roles").rglob("tasks/*.yml")) + list((ANSIBLE / "roles").rglob("handlers/*.yml")):
         for task in _tasks(yaml.safe_load(path.read_text())):
             modules = [k for k in task if k not in keywords]

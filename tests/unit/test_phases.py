@@ -31,10 +31,6 @@ REPO = Path(__file__).resolve().parents[2]
         ("bwstack_mlenv", "Build and switch to the profile's generation (backup, install, patches, verify, switch)",
          "build"),
         ("bwstack_mlenv", "Read the generation active before this run", "env"),
-        ("bwstack_mlenv", "Start fetching the env's wheels into the store (beside the CUDA toolkit and system "
-         "packages)", "early fetch"),
-        ("bwstack_mlenv", "Wait for the env's wheels fetched beside the CUDA toolkit", "early fetch"),
-        ("bwstack_mlenv", "Forget the job that fetched the env's wheels early", "early fetch"),
         ("bwstack_verify", "Run the node checks", "verify"),
         ("", "Gathering Facts", "facts"),
         ("", "Stop the rollout", "other"),
@@ -147,61 +143,6 @@ def test_a_converged_node_shows_its_check_as_a_phase_and_the_roles_it_skipped():
     assert "localhost: converged (provisioned from these inputs; 0003-cu128-abc ...): ... verify runs" in text
     assert "preflight 0.0 s (2 tasks, all skipped)" in text
     assert "verify 2.0 s (1 tasks)" in text
-
-
-def _early_fetch_run(waited: dict) -> list[dict]:
-    """tool, the early fetch started (with the env role's argument check), CUDA, the env role: system packages,
-    the wait for the fetch (`waited`: its async_status result), the build, verify."""
-    start = "Start fetching the env's wheels into the store (beside the CUDA toolkit and system packages)"
-    wait = "Wait for the env's wheels fetched beside the CUDA toolkit"
-    events = _task("bwstack_tool", "Install bwstack and its dependencies into the tool venv", 1000.0, 5.0)
-    events += _task("bwstack_mlenv", "Validating arguments against arg spec 'fetch'", 1005.0, 0.1)
-    events += _task("bwstack_mlenv", start, 1005.1, 0.3)
-    events += _task("bwstack_cuda", "Lay the lock's cuda-toolkit wheels out at the profile's CUDA home", 1005.4, 6.0)
-    events += _task("bwstack_mlenv", "Install the system packages the wheels need", 1011.4, 4.0)
-    events += _task("bwstack_mlenv", wait, 1015.4, 1.2)
-    events[-1]["result"] = waited
-    events += _task("bwstack_mlenv", "Build and switch to the profile's generation", 1016.6, 40.0)
-    events[-1]["result"] = {"result": BUILD}
-    events += _task("bwstack_mlenv", "Show what the build did", 1056.6, 0.1)
-    events += _task("bwstack_verify", "Run the node checks", 1056.7, 3.0)
-    events.append({"event": "stats", "hosts": {"localhost": {"ok": 9, "changed": 2}}, "t": 1059.7})
-    return events
-
-
-def test_the_early_fetch_is_one_line_after_system_packages_with_its_download_beside_cuda():
-    fetched = {"fetch": {"bytes_downloaded": 4_400_000_000, "seconds": 11.0, "files": 169}, "wheels": 169}
-    _, lines = _report(_early_fetch_run({"finished": 1, "changed": True, "result": fetched}))
-    names = [line.split("  ")[1].strip() for line in lines if line.startswith("  ")]
-    assert names[:5] == ["tool", "CUDA", "system packages", "early fetch", "fetch"]
-    text = "\n".join(" ".join(line.split()) for line in lines)
-    # Its time on the run's path is its tasks' (start 0.3 s, wait 1.2 s); the download ran beside CUDA.
-    assert "early fetch 1.5 s (4.4 GB downloaded at 400.0 MB/s, 11.0 s beside CUDA and system packages)" in text
-
-
-def test_an_early_fetch_that_failed_says_so_and_that_the_build_fetched():
-    _, lines = _report(_early_fetch_run({"finished": 1, "failed": True, "msg": "another run holds the store"}))
-    text = "\n".join(" ".join(line.split()) for line in lines)
-    assert "early fetch 1.5 s (failed: another run holds the store; the build fetched)" in text
-
-
-def test_an_early_fetch_from_a_wheelhouse_says_it_put_the_wheels_in_the_store():
-    fetched = {"fetch": {"bytes_downloaded": 0, "files_stored": 12, "seconds": 0.4}, "wheels": 12}
-    _, lines = _report(_early_fetch_run({"finished": 1, "changed": True, "result": fetched}))
-    text = "\n".join(" ".join(line.split()) for line in lines)
-    assert "early fetch 1.5 s (12 wheels put in the store from local files)" in text
-
-
-def test_the_env_roles_phases_wait_for_its_build_when_its_early_fetch_started_before_cuda():
-    """The env role's early tasks run before the CUDA role: its lines are not printed when that part ends."""
-    lines: list[str] = []
-    report = phases.PhaseReport(lines.append, started=1000.0)
-    events = _early_fetch_run({"finished": 1, "result": {"fetch": {"bytes_downloaded": 0}}})
-    cuda_ends = next(i for i, e in enumerate(events) if e.get("role") == "bwstack_mlenv" and e["event"] == "task"
-                     and "system packages" in e["name"])  # fmt: skip
-    for event in events[:cuda_ends]:
-        report.feed(event)
-    assert [line.split()[0] for line in lines] == ["tool"]
 
 
 def test_a_converged_build_says_so_in_one_line():

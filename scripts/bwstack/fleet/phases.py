@@ -25,16 +25,9 @@ from pathlib import Path
 from bwstack.probe import pathtrust
 from bwstack.store.layout import setting
 
-# The env's wheels fetched in the background while the CUDA toolkit and system packages go in (the env role's
-# fetch.yml and fetch_wait.yml): its time on the run's path is its tasks' (the start and the wait), its download
-# time is shown beside it.
-EARLY_FETCH = "early fetch"
-# The env role's phases in the order they happen on the node; its early fetch's tasks run before the CUDA role.
-ENV_ROLE_ORDER = ("system packages", EARLY_FETCH, "build", "env")
 # (role, words in the task name) -> phase; the first match wins; "" matches any role / any name.
 PHASES: tuple[tuple[str, str, str], ...] = (
     ("bwstack_tool", "packages", "system packages"),
-    ("bwstack_mlenv", "env's wheels", EARLY_FETCH),  # before "system packages": its start names them too
     ("bwstack_mlenv", "system packages", "system packages"),
     ("bwstack_preflight", "", "preflight"),
     ("bwstack_tool", "", "tool"),
@@ -119,7 +112,6 @@ class PhaseReport:
     role: str | None = None
     role_phases: dict[str, list[str]] = field(default_factory=dict)
     build: dict | None = None
-    early_fetch: dict | None = None  # the early fetch's result (`bwstack build --fetch-only --json`)
 
     def feed(self, event: dict) -> None:
         kind = event.get("event")
@@ -154,10 +146,6 @@ class PhaseReport:
                 phase.skipped += 1
             if kind == "ok" and phase is not None and phase.name == "build":
                 self._read_build(result.get("result"))
-            if kind == "ok" and phase is not None and phase.name == EARLY_FETCH and result.get("finished"):
-                fetched = result.get("result")
-                failed = result.get("failed") or not isinstance(fetched, dict)
-                self.early_fetch = {"failed": result.get("msg") or "?"} if failed else fetched
             if kind == "ok" and str(event.get("task", "")).endswith(SAY_WHICH_WAY):
                 self.emit(f"{event.get('host')}: {' '.join(str(result.get('msg', '')).split())}")
             if kind in ("failed", "unreachable") and not event.get("ignore_errors"):
@@ -190,13 +178,9 @@ class PhaseReport:
         return f'{event.get("host")}: {what} at "{event.get("task")}": {message[:1200]}'
 
     def _print_role(self, role: str) -> None:
-        """A role ended: print its phases (system packages wait: the env role installs more of them). The env
-        role's early fetch starts before the CUDA role: its phases wait for its build, in the order they ran."""
+        """A role ended: print its phases (system packages wait: the env role installs more of them)."""
         if role == "bwstack_mlenv":
-            if "build" not in self.phases:
-                return
-            for name in ENV_ROLE_ORDER:
-                self._print_phase(name)
+            self._print_phase("system packages")
         for name in self.role_phases.get(role, []):
             if name != "system packages":
                 self._print_phase(name)
@@ -218,9 +202,6 @@ class PhaseReport:
                 self.emit(f"  {'env build':<17} {_fmt(self._work(phase)):>8}  "
                           f"{'; '.join(actions) if actions else 'nothing to build (converged)'}")  # fmt: skip
             return
-        if name == EARLY_FETCH:
-            self.emit(f"  {name:<17} {_fmt(phase.seconds):>8}{self._early_fetch_note()}")
-            return
         changed = f", {phase.changed} changed" if phase.changed else ""
         skipped = (
             ", all skipped" if phase.skipped >= phase.tasks else f", {phase.skipped} skipped" if phase.skipped else ""
@@ -241,23 +222,6 @@ class PhaseReport:
             return "  (all from the store's cache)"
         rate = f" at {human_bytes(done / seconds)}/s" if seconds else ""
         return f"  ({human_bytes(done)} downloaded{rate})"
-
-    def _early_fetch_note(self) -> str:
-        """What the early fetch did beside the CUDA and system-package phases (the line's time is its wait)."""
-        early = self.early_fetch
-        if early is None:
-            return "  (not started, or not waited for)"
-        if "failed" in early:
-            return f"  (failed: {' '.join(str(early['failed']).split())[:300]}; the build fetched)"
-        fetched = early.get("fetch") or {}
-        done, seconds = fetched.get("bytes_downloaded"), fetched.get("seconds")
-        if not done and fetched.get("files_stored"):
-            return f"  ({fetched['files_stored']} wheels put in the store from local files)"
-        if not done:
-            return "  (all in the store's cache)"
-        rate = f" at {human_bytes(done / seconds)}/s" if seconds else ""
-        took = f", {_fmt(seconds)} beside CUDA and system packages" if seconds else ""
-        return f"  ({human_bytes(done)} downloaded{rate}{took})"
 
     def finish(self, now: float | None = None) -> None:
         now = now or time.time()

@@ -16,11 +16,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypedDict
 
 from bwstack.errors import BwstackError
 from bwstack.fsutil import free_bytes, tree_size
-from bwstack.lock.model import Closure, Lock, Profile
+from bwstack.lock.model import Lock, Profile
 from bwstack.lock.tags import Target, select
 from bwstack.probe import envinspect
 from bwstack.probe import main as probe
@@ -143,33 +142,6 @@ def _verify_new_env(profile: Profile, env: Path, expected: dict[str, str]) -> tu
     return {"status": status, "at": now_iso(), "checks": checks}, torch
 
 
-def _env_fetcher(layout: Layout, opts: BuildOptions, closure: Closure, log) -> Fetcher:
-    """The fetcher of a profile's env wheels into the store (the build's first step, and fetch_wheels)."""
-    return Fetcher(layout.wheel_store, opts.sources, opts.allow_unhashed, log=log, elsewhere=closure.cuda_toolkit)
-
-
-class Fetched(TypedDict):
-    """What `bwstack build --fetch-only --json` prints."""
-
-    profile: str
-    changed: bool  # a wheel was put in the store
-    wheels: int
-    fetch: dict  # DownloadProgress.summary(): bytes and files downloaded, seconds
-
-
-def fetch_wheels(lock: Lock, profile: Profile, layout: Layout, opts: BuildOptions, log=print) -> Fetched:
-    """The build's first step alone (`bwstack build --fetch-only`): the profile's env wheels, hash-checked, into
-    the store's wheel store, under the store's lock; nothing is built or switched. provision.yml runs it on a node
-    while the CUDA toolkit and the system packages go in (network and disk beside their CPU), and the build
-    after it finds every wheel there."""
-    closure = profile.require_closure(lock.path)
-    with open_store(layout, log):
-        fetcher = _env_fetcher(layout, opts, closure, log)
-        wheels = fetcher.fetch_all(select(closure.env, Target.of(profile)))
-    summary = fetcher.progress.summary()
-    return Fetched(profile=profile.name, changed=summary["files_stored"] > 0, wheels=len(wheels), fetch=summary)
-
-
 def build(lock: Lock, profile: Profile, layout: Layout, opts: BuildOptions, log=print) -> dict:
     profile.require_closure(lock.path)  # a missing or stale closure is refused before the store is touched
     with open_store(layout, log) as store:
@@ -214,7 +186,7 @@ def _build_generation(
     layout = store.layout
     closure = profile.require_closure(lock.path)
     t0 = time.perf_counter()
-    fetcher = _env_fetcher(layout, opts, closure, log)
+    fetcher = Fetcher(layout.wheel_store, opts.sources, opts.allow_unhashed, log=log, elsewhere=closure.cuda_toolkit)
     wheels = fetcher.fetch_all(select(closure.env, Target.of(profile)))
     timings["fetch_s"] = time.perf_counter() - t0
     timings["fetch"] = fetcher.progress.summary()

@@ -26,7 +26,6 @@ class DownloadProgress:
         self.files = files
         self.files_done = 0
         self.downloaded_files = 0
-        self.files_stored = 0  # wheels put in the store in this run (downloaded or read from a wheelhouse)
         self.bytes = 0
         self.total_bytes = 0
         self.files_sized = 0  # wheels whose bytes are counted in total_bytes, or that needed no download
@@ -52,10 +51,6 @@ class DownloadProgress:
             self.bytes += n
         self._write()
 
-    def stored(self) -> None:
-        with self._lock:
-            self.files_stored += 1
-
     def file_done(self) -> None:
         downloaded = getattr(self._this_file, "sized", False)
         self._this_file.sized = False
@@ -80,8 +75,7 @@ class DownloadProgress:
 
     def summary(self) -> dict:
         return {"bytes_downloaded": self.bytes, "files_downloaded": self.downloaded_files,
-                "files_stored": self.files_stored, "files": self.files,
-                "seconds": round(self.seconds(), 3)}  # fmt: skip
+                "files": self.files, "seconds": round(self.seconds(), 3)}  # fmt: skip
 
     def _write(self, force: bool = False, done: bool = False) -> None:
         if self.path is None:

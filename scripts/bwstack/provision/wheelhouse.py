@@ -374,7 +374,6 @@ class Fetcher:
                 )
             with self._entry(actual, make=True) as final:
                 partial.move(name, final, wheel.file)
-        self.progress.stored()
         path = _store_path(self.store, actual, wheel.file)
         return LocalWheel(pkg.name, pkg.version, wheel.file, path, actual, wheel.sha256 is not None)
 

@@ -9,11 +9,7 @@ from bwstack.cli.console import Console
 
 NAME = "build"
 HELP = "back up, build the profile's generation, switch"
-UNREAD = (
-    options.Unread("offline", ignores=("index",)),  # an offline build reaches no mirror
-    # Only the fetch: no env is made (--python), nothing is switched, checked or linked.
-    options.Unread("fetch_only", ignores=("python", "no_switch", "check", "take_over_links", "verify")),
-)
+UNREAD = (options.Unread("offline", ignores=("index",)),)  # an offline build reaches no mirror
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -22,11 +18,6 @@ def add_options(p: argparse.ArgumentParser) -> None:
     options.add_profile(p, help=None)
     p.add_argument("--no-switch", action="store_true", help="build and commit, but leave the active env")
     p.add_argument("--check", action="store_true", help="say what would change; change nothing")
-    p.add_argument(
-        "--fetch-only",
-        action="store_true",
-        help="only fetch the profile's wheels (hash-checked) into the store; build and switch nothing",
-    )
 
 
 def build_options(args: argparse.Namespace):
@@ -52,11 +43,6 @@ def run(args: argparse.Namespace) -> int:
     profile = lock.profile(args.profile)
     layout = options.layout(args)
     options.apply_ca_bundle(args)
-    if args.fetch_only:
-        fetched = build.fetch_wheels(lock, profile, layout, build_options(args), log=console.log)
-        stored = fetched["fetch"]["files_stored"]
-        console.result(fetched, f"{fetched['wheels']} wheels in {layout.wheel_store} ({stored} put there now)")
-        return 0
     if args.check:
         plan = build.plan_build(lock, profile, layout, switch=not args.no_switch)
         console.result(plan, "\n".join(plan["actions"]) or "nothing to do")
