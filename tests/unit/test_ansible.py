@@ -75,6 +75,7 @@ NOT_IN_THE_RECEIPT = {
     "bwstack_controller_facts_args": "what a task asks the controller",
     "bwstack_converged_check": "whether to ask at all",
     "bwstack_take_over_links": "a permission used only where a link is not the store's, which a converged node's are",
+    "bwstack_tool_uv": "how the tool venv is made, not what it holds",
     "bwstack_mlenv_rollback_to": "rollback.yml only",
     "bwstack_mlenv_rollback_profile": "rollback.yml only",
     "bwstack_mlenv_rollback_rebuild": "rollback.yml only",
@@ -237,6 +238,15 @@ def test_local_target_is_this_machine_over_the_local_connection():
     got = playbooks.parse_targets("local://")
     host = got.inventory["all"]["children"]["bwstack_nodes"]["hosts"]["localhost"]
     assert (got.args, got.extra, host["ansible_connection"]) == ([], {}, "local")
+
+
+def test_a_local_target_makes_its_tool_venv_with_the_uv_bwstack_runs_and_a_remote_one_with_pip():
+    from bwstack.lock.uvtool import uv_bin
+
+    local = playbooks.parse_targets("local://").inventory["all"]["children"]["bwstack_nodes"]["hosts"]["localhost"]
+    assert local["bwstack_tool_uv"] == uv_bin()
+    remote = playbooks.parse_targets("ssh://root@node").inventory["all"]["children"]["bwstack_nodes"]["hosts"]
+    assert "bwstack_tool_uv" not in remote["root@node"]  # the controller's binary may not run there
 
 
 def test_ssh_targets_become_a_temporary_inventory_named_with_user_and_port():
@@ -885,12 +895,14 @@ def test_a_store_root_holding_the_tool_venv_set_aside_is_still_a_store(tmp_path)
 
 
 @needs_ansible
-def test_pips_error_shows_neither_the_index_url_nor_credentials_in_urls(tmp_path):
+@pytest.mark.parametrize(("uv", "installer"), [("", "pip"), ("/usr/local/bin/uv", "uv")])
+def test_the_installers_error_shows_neither_the_index_url_nor_credentials_in_urls(tmp_path, uv, installer):
     """A token may sit in the index URL's path or query, where the user:pass@ masking does not reach."""
     url = "https://mirror.example/simple?token=S3CRET-TOKEN"
     tasks = _tasks(yaml.safe_load((ANSIBLE / "roles" / "bwstack_tool" / "tasks" / "install.yml").read_text()))
-    fail = next(t for t in tasks if t.get("name", "").startswith("Fail with pip's error"))
+    fail = next(t for t in tasks if t.get("name", "").startswith("Fail with the installer's error"))
     play = [{"hosts": "bwstack_nodes", "gather_facts": False, "tasks": [fail], "vars": {
+        "bwstack_tool_uv": uv,
         "bwstack_tool_index_url": url,
         "bwstack_tool_venv": "/opt/bwstack/tool",
         "bwstack_tool_facts": {"wheel": {"name": "bwstack-0.1.0-py3-none-any.whl"}},
@@ -901,6 +913,6 @@ def test_pips_error_shows_neither_the_index_url_nor_credentials_in_urls(tmp_path
     path = tmp_path / "play.yml"
     path.write_text(yaml.safe_dump(play, sort_keys=False))
     result = run([tool("ansible-playbook"), "-i", str(local_inventory(tmp_path / "hosts.yml")), str(path)])
-    assert result.rc != 0 and "pip could not install" in result.out
+    assert result.rc != 0 and f"{installer} could not install" in result.out
     assert "S3CRET" not in result.out and "OTHER-SECRET" not in result.out
     assert "<the index URL>/torch/" in result.out and "://***@a.example" in result.out

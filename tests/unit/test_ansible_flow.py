@@ -292,3 +292,10 @@ def test_verify_requiring_acceptance_fails_a_node_that_is_not_accepted_and_shows
     assert run.rc != 0
     assert "acceptance failed on localhost: NOT ACCEPTED" in run.out
     assert "gpu.model" in run.out and "no NVIDIA GPU on this node" in run.out
+
+
+def test_a_local_targets_tool_venv_is_made_by_the_uv_bwstack_runs(node: Node):
+    """`bwstack provision` hands a local target its own uv (bwstack_tool_uv): a second where pip takes eight."""
+    config = (node.root / "tool" / "pyvenv.cfg").read_text()
+    assert any(line.startswith("uv = ") for line in config.splitlines()), config
+    assert not (node.root / "tool" / "bin" / "pip").exists()
