@@ -217,7 +217,7 @@ def _build_generation(
         got = fetchinstall.fetch_and_install(fetcher, select(closure.env, Target.of(profile)), install)
         wheels = got.wheels
         timings["fetch_s"] = got.fetch_s
-        timings["fetch"] = got.fetch
+        timings["fetch"] = fetcher.progress.summary()
         timings["install_s"] = got.install_after_fetch_s
         timings["install_beside_fetch_s"] = got.install_beside_fetch_s
         timings["install_waves"] = got.waves

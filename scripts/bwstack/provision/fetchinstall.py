@@ -27,7 +27,6 @@ class Fetched:
 
     wheels: dict[str, LocalWheel]
     fetch_s: float  # from the start until the last wheel was in the store
-    fetch: dict  # the fetch's DownloadProgress.summary(), taken then
     install_after_fetch_s: float  # from then until the last wave was installed
     install_beside_fetch_s: float  # of the waves' time, what ran while wheels were still downloading
     waves: int
@@ -104,7 +103,6 @@ def fetch_and_install(
         fetch_error = exc
         waves.stop()
     fetched = time.perf_counter()
-    summary = fetcher.progress.summary()
     waves.all_in()
     waves.join()
     if waves.error is not None:
@@ -113,4 +111,4 @@ def fetch_and_install(
         raise fetch_error
     done = time.perf_counter()
     beside = sum(max(0.0, min(end, fetched) - start) for start, end in waves.spans)
-    return Fetched(wheels, fetched - started, summary, done - fetched, beside, len(waves.spans))
+    return Fetched(wheels, fetched - started, done - fetched, beside, len(waves.spans))

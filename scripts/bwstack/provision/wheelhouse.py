@@ -102,13 +102,6 @@ def _is_regular(path: Path) -> bool:
         return False
 
 
-def fetch_order(selection: Mapping[str, tuple[LockedPackage, Wheel]]) -> list[tuple[str, tuple[LockedPackage, Wheel]]]:
-    """Compiled wheels first (a platform tag: torch, the nvidia libraries, triton - the big ones, gigabytes between
-    them), then the pure-Python ones, each by name. The lock holds no sizes; this is the order that lets an install
-    beside the fetch (fetchinstall.py) start on the big unpacking early instead of after the last download."""
-    return sorted(selection.items(), key=lambda item: (item[1][1].file.endswith("-any.whl"), item[0]))
-
-
 class FetchStopped(BwstackError):
     """A wheel not fetched because the fetch stopped (another wheel failed, or `on_fetched` said so)."""
 
@@ -222,7 +215,7 @@ class Fetcher:
         try:
             with ThreadPoolExecutor(max_workers=8) as pool:
                 results = list(
-                    pool.map(lambda item: self._fetch_counted(*item[1], stop, on_fetched), fetch_order(selection))
+                    pool.map(lambda item: self._fetch_counted(*item[1], stop, on_fetched), sorted(selection.items()))
                 )
         finally:
             self.progress.close()
