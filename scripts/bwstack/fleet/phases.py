@@ -195,7 +195,7 @@ class PhaseReport:
             parts = [(label, timings.get(key)) for key, label in BUILD_TIMINGS]
             parts = [(label, value) for label, value in parts if isinstance(value, (int, float))]
             for label, value in parts:
-                extra = self._fetch_note() if label == "fetch" else self._install_note() if label == "install" else ""
+                extra = self._fetch_note() if label == "fetch" else ""
                 self.emit(f"  {label:<17} {_fmt(value):>8}{extra}")
             if not parts:
                 actions = self.build.get("actions") or []
@@ -222,15 +222,6 @@ class PhaseReport:
             return "  (all from the store's cache)"
         rate = f" at {human_bytes(done / seconds)}/s" if seconds else ""
         return f"  ({human_bytes(done)} downloaded{rate})"
-
-    def _install_note(self) -> str:
-        """The install's line is its time after the fetch; what ran while wheels still downloaded is shown here."""
-        timings = (self.build or {}).get("timings") or {}
-        beside, waves = timings.get("install_beside_fetch_s"), timings.get("install_waves")
-        if not isinstance(beside, (int, float)) or not beside:
-            return ""
-        runs = f", {waves} uv runs" if isinstance(waves, int) and waves > 1 else ""
-        return f"  (after the fetch; {_fmt(beside)} more beside it{runs})"
 
     def finish(self, now: float | None = None) -> None:
         now = now or time.time()

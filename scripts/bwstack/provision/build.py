@@ -23,7 +23,7 @@ from bwstack.lock.model import Lock, Profile
 from bwstack.lock.tags import Target, select
 from bwstack.probe import envinspect
 from bwstack.probe import main as probe
-from bwstack.provision import backup, envbuild, fetchinstall, patches
+from bwstack.provision import backup, envbuild, patches
 from bwstack.provision.wheelhouse import Fetcher, LocalWheel, Sources
 from bwstack.store.generations import Generation, Store, checkpoint, generation_name, now_iso, write_hook
 from bwstack.store.layout import Layout
@@ -107,25 +107,11 @@ def plan_build(lock: Lock, profile: Profile, layout: Layout, *, switch: bool = T
     }
 
 
-class _DiskBudget:
-    """Before each wave of the install: is there room for it? Rough need: wheels unpack to ~2.5x their size in uv's
-    cache, less what the cache already holds (reused), plus 1 GiB to spare."""
-
-    def __init__(self, layout: Layout, profile: Profile) -> None:
-        self.layout, self.profile = layout, profile
-        self.cached = tree_size(layout.uv_cache) if layout.uv_cache.is_dir() else 0
-
-    def check(self, wave: dict[str, LocalWheel]) -> None:
-        unpacked = int(sum(w.path.stat().st_size for w in wave.values()) * 2.5)
-        reused = min(self.cached, unpacked)
-        self.cached -= reused
-        need, free = unpacked - reused + GIB, free_bytes(self.layout.generations)
-        if free < need:
-            raise BwstackError(
-                f"not enough disk to build the {self.profile.name} env in {self.layout.generations}: about "
-                f"{need / GIB:.1f} GiB needed for its next {len(wave)} wheels, {free / GIB:.1f} GiB free; free "
-                f"space, `bwstack prune --keep 2`, or pass --root elsewhere"
-            )
+def _required_bytes(wheels: dict[str, LocalWheel], uv_cache: Path) -> int:
+    """Rough need: wheels unpack to ~2.5x their size in uv's cache; what the cache holds is reused."""
+    wheel_bytes = sum(w.path.stat().st_size for w in wheels.values())
+    cached = tree_size(uv_cache) if uv_cache.is_dir() else 0
+    return max(int(wheel_bytes * 2.5) - cached, 0) + GIB
 
 
 def _same_version(runtime: str, dist: str) -> bool:
@@ -199,28 +185,28 @@ def _build_generation(
 ) -> Generation:
     layout = store.layout
     closure = profile.require_closure(lock.path)
-    python = envbuild.find_python(profile.python, opts.python)
+    t0 = time.perf_counter()
     fetcher = Fetcher(layout.wheel_store, opts.sources, opts.allow_unhashed, log=log, elsewhere=closure.cuda_toolkit)
+    wheels = fetcher.fetch_all(select(closure.env, Target.of(profile)))
+    timings["fetch_s"] = time.perf_counter() - t0
+    timings["fetch"] = fetcher.progress.summary()
+    need = _required_bytes(wheels, layout.uv_cache)
+    free = free_bytes(layout.generations)
+    if free < need:
+        raise BwstackError(
+            f"not enough disk to build the {profile.name} env in {layout.generations}: about {need / GIB:.1f} GiB "
+            f"needed, {free / GIB:.1f} GiB free; free space, `bwstack prune --keep 2`, or pass --root elsewhere"
+        )
+    python = envbuild.find_python(profile.python, opts.python)
     name = generation_name(store.next_id(), profile.name, digest)
     building = store.begin(name)
     try:
+        t0 = time.perf_counter()
         env = building / "env"
         envbuild.create_venv(env, python)
         checkpoint("after-venv")
-        disk = _DiskBudget(layout, profile)
-
-        def install(wave: dict[str, LocalWheel]) -> None:
-            disk.check(wave)
-            envbuild.install(env, wave, cache_dir=layout.uv_cache, ca_bundle=opts.ca_bundle)
-
-        # uv installs what has arrived while the rest downloads (fetchinstall.py says what that saves).
-        got = fetchinstall.fetch_and_install(fetcher, select(closure.env, Target.of(profile)), install)
-        wheels = got.wheels
-        timings["fetch_s"] = got.fetch_s
-        timings["fetch"] = fetcher.progress.summary()
-        timings["install_s"] = got.install_after_fetch_s
-        timings["install_beside_fetch_s"] = got.install_beside_fetch_s
-        timings["install_waves"] = got.waves
+        envbuild.install(env, wheels, cache_dir=layout.uv_cache, ca_bundle=opts.ca_bundle)
+        timings["install_s"] = time.perf_counter() - t0
         checkpoint("after-install")
         applied = patches.apply(envinspect.site_packages(env), profile.patches) if profile.patches else []
         checkpoint("after-patch")

@@ -20,8 +20,7 @@ import hashlib
 import os
 import secrets
 import stat
-import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,10 +99,6 @@ def _is_regular(path: Path) -> bool:
         return stat.S_ISREG(os.lstat(path).st_mode)
     except OSError:
         return False
-
-
-class FetchStopped(BwstackError):
-    """A wheel not fetched because the fetch stopped (another wheel failed, or `on_fetched` said so)."""
 
 
 def hash_mismatch(pkg: LockedPackage, wheel: Wheel, origin: str, actual: str) -> HashMismatchError:
@@ -187,14 +182,7 @@ class Fetcher:
         self.rehash_store = rehash_store
         self.progress = progress or DownloadProgress()
 
-    def fetch_all(
-        self,
-        selection: Mapping[str, tuple[LockedPackage, Wheel]],
-        on_fetched: Callable[[LocalWheel], None] | None = None,
-    ) -> dict[str, LocalWheel]:
-        """Every selected wheel, hash-checked, in the store. `on_fetched` is told of each as soon as it is there
-        (from the fetch's threads); when it raises, the fetch stops: the wheels not begun are not fetched. So does
-        any failure of one wheel."""
+    def fetch_all(self, selection: Mapping[str, tuple[LockedPackage, Wheel]]) -> dict[str, LocalWheel]:
         unknown = self.allow_unhashed - set(selection) - self.elsewhere
         if unknown:
             raise UsageError(f"--allow-unhashed {', '.join(sorted(unknown))}: not in this closure")
@@ -211,29 +199,16 @@ class Fetcher:
             )
         self.store.mkdir(parents=True, exist_ok=True)
         self.progress.files = len(selection)
-        stop = threading.Event()
         try:
             with ThreadPoolExecutor(max_workers=8) as pool:
-                results = list(
-                    pool.map(lambda item: self._fetch_counted(*item[1], stop, on_fetched), sorted(selection.items()))
-                )
+                results = list(pool.map(lambda item: self._fetch_counted(*item[1]), sorted(selection.items())))
         finally:
             self.progress.close()
         return {w.package: w for w in results}
 
-    def _fetch_counted(
-        self, pkg: LockedPackage, wheel: Wheel, stop: threading.Event, on_fetched: Callable[[LocalWheel], None] | None
-    ) -> LocalWheel:
-        if stop.is_set():
-            raise FetchStopped(f"{pkg.name}: not fetched, the fetch stopped")
-        try:
-            got = self.fetch(pkg, wheel)
-            self.progress.file_done()
-            if on_fetched is not None:
-                on_fetched(got)
-        except BaseException:
-            stop.set()  # the wheels still waiting for a thread are not fetched for nothing
-            raise
+    def _fetch_counted(self, pkg: LockedPackage, wheel: Wheel) -> LocalWheel:
+        got = self.fetch(pkg, wheel)
+        self.progress.file_done()
         return got
 
     def fetch(self, pkg: LockedPackage, wheel: Wheel) -> LocalWheel:
