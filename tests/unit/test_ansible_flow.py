@@ -15,7 +15,9 @@ The fixture torch has no extensions and the fixture toolkit no nvcc: those check
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -95,7 +97,7 @@ class Node:
 
     def play(self, step: str, name: str, flags: tuple[str, ...] = (), **more) -> Run:
         variables = fixture_vars(
-            self.stack, self.node, bwstack_verify_skip=WAIVERS, bwstack_tool_wheel=self.wheel, **more
+            self.stack, self.node, **{"bwstack_verify_skip": WAIVERS, "bwstack_tool_wheel": self.wheel, **more}
         )
         return self._record(step, playbook(name, self.inventory, variables, *flags, log=self.logs / f"{step}.log"))
 
@@ -140,6 +142,16 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Node:
     n.runs["node-verify"] = run([str(n.wrapper), "verify", "--no-runtime"])
     n.runs["node-generations"] = run([str(n.wrapper), "generations", "--json"])
     n.play("accept", "verify.yml", bwstack_verify_require_acceptance=True, bwstack_verify_accept_timeout=60)
+    # Another controller (a plain playbook run: pip, no bwstack_tool_uv) ships a new wheel of the same version to
+    # the node whose tool venv uv made, and has no pip: the venv gets one before pip installs into it.
+    n.newer_wheel = n.base / "newer" / Path(n.wheel).name
+    n.newer_wheel.parent.mkdir()
+    shutil.copy(n.wheel, n.newer_wheel)
+    with zipfile.ZipFile(n.newer_wheel, "a") as wheel:
+        wheel.writestr("bwstack/_flow_newer_build.txt", "a later build of the same version\n")
+    n.had_pip_before = (n.root / "tool" / "bin" / "pip").exists()
+    n.play("pip-after-uv", "provision.yml", bwstack_profile="fixture-new", bwstack_tool_wheel=str(n.newer_wheel),
+           bwstack_tool_wheelhouse=str(n.tool_wheelhouse), bwstack_tool_offline=True)  # fmt: skip
     return n
 
 
@@ -298,4 +310,11 @@ def test_a_local_targets_tool_venv_is_made_by_the_uv_bwstack_runs(node: Node):
     """`bwstack provision` hands a local target its own uv (bwstack_tool_uv): a second where pip takes eight."""
     config = (node.root / "tool" / "pyvenv.cfg").read_text()
     assert any(line.startswith("uv = ") for line in config.splitlines()), config
-    assert not (node.root / "tool" / "bin" / "pip").exists()
+    assert not node.had_pip_before  # uv made it (a later pip run gives it one: the test below)
+
+
+def test_a_tool_venv_uv_made_gets_a_pip_when_a_later_run_installs_with_pip(node: Node):
+    node.runs["pip-after-uv"].ok()
+    assert not node.had_pip_before and (node.root / "tool" / "bin" / "pip").exists()
+    site = next((node.root / "tool" / "lib").glob("python3.*/site-packages"))
+    assert (site / "bwstack" / "_flow_newer_build.txt").is_file(), "the newer wheel was not installed"

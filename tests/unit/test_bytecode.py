@@ -34,6 +34,12 @@ def test_every_source_goes_to_exactly_one_interpreter():
     assert sorted(p for share in shares for p in share) == sorted(p for _s, p in sources)
 
 
+def test_the_biggest_file_is_shared_out_first_to_the_interpreter_with_the_least():
+    """One big file and three smaller: the big one alone, the rest together (handing out in turn would not)."""
+    sources = [(10_000, "/a.py"), (3_000, "/b.py"), (3_000, "/c.py"), (3_000, "/d.py")]
+    assert [sorted(share) for share in envbuild.share_out(sources, 2)] == [["/a.py"], ["/b.py", "/c.py", "/d.py"]]
+
+
 def test_the_work_is_shared_evenly_biggest_first():
     # Four files of 10,000 bytes and eight of 5,000 on two interpreters: each gets half the bytes and half the files.
     sources = [(10_000, f"/big/{i}.py") for i in range(4)] + [(5_000, f"/small/{i}.py") for i in range(8)]
@@ -91,6 +97,31 @@ def test_an_interpreter_that_fails_is_one_line_naming_its_exit(tmp_path):
         envbuild.compile_bytecode(env, workers=2)
     message = str(caught.value)
     assert "exit 3" in message and "python: cannot start" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("code", [1, -9])
+def test_an_interpreter_that_ends_early_is_an_error_not_a_source_that_did_not_compile(tmp_path, code):
+    """A MemoryError ends Python with 1, as a source that did not compile once did: a whole share left without
+    bytecode would go unsaid."""
+    env, _site = _env(tmp_path, {"a.py": ""})
+    python = env / "bin" / "python"
+    python.unlink()
+    body = "kill -9 $$" if code < 0 else f"exit {code}"
+    python.write_text(f"#!/bin/sh\necho 'Traceback (most recent call last):' >&2\necho 'MemoryError' >&2\n{body}\n")
+    python.chmod(0o755)
+    with pytest.raises(BwstackError) as caught:
+        envbuild.compile_bytecode(env, workers=1)
+    assert f"exit {code}" in str(caught.value) and "\n" not in str(caught.value)
+    assert "Traceback (most recent call last): | MemoryError" in str(caught.value)
+
+
+def test_a_folder_whose_pycache_is_a_link_gets_no_bytecode_through_it(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    env, site = _env(tmp_path, {"pkg/__init__.py": "", "pkg/mod.py": "m = 1\n", "own.py": ""})
+    os.symlink(outside, site / "pkg" / "__pycache__")
+    envbuild.compile_bytecode(env)
+    assert _compiled(site) == ["own"] and not list(outside.iterdir())
 
 
 def test_an_env_without_its_interpreter_is_one_line(tmp_path):

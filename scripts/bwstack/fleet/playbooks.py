@@ -395,10 +395,13 @@ class _Outcome:
 
 def _ansible_env(directory: Path, tmp: Path) -> dict:
     """ansible-playbook's environment: bwstack's ansible.cfg, and its local temporary files inside our own
-    temporary directory (removed whatever way the run ends)."""
+    temporary directory (removed whatever way the run ends). No UV_* setting of the caller's: a local node's tasks
+    inherit this environment, and its tool role's uv (bwstack_tool_uv) would take the caller's extra indexes,
+    find-links or insecure hosts; bwstack's own uv runs set what they need (lock.uvtool.uv_env)."""
     local_tmp = tmp / "ansible-local"
     local_tmp.mkdir()
-    return {**os.environ, "ANSIBLE_CONFIG": str(directory / "ansible.cfg"), "ANSIBLE_LOCAL_TEMP": str(local_tmp)}
+    own = {k: v for k, v in os.environ.items() if not k.startswith("UV_")}
+    return {**own, "ANSIBLE_CONFIG": str(directory / "ansible.cfg"), "ANSIBLE_LOCAL_TEMP": str(local_tmp)}
 
 
 class _Terminated(Exception):

@@ -91,14 +91,13 @@ PER_FILE_BYTES = 2000
 BYTECODE_TIMEOUT_S = 3600
 
 # Run by each of the env's own interpreters compile_bytecode starts: bytecode, with that Python's compileall, for
-# the sources named on standard input (NUL-separated). Exit 1 when one did not compile (templates, another
-# Python's files), which is not ours to fix.
+# the sources named on standard input (NUL-separated). A source that does not compile (templates, another Python's
+# files) gets none, which is not ours to fix; any other exit is the interpreter failing (a MemoryError, a kill).
 _COMPILE_LISTED = """import compileall, os, sys
-failed = 0
 for raw in sys.stdin.buffer.read().split(b"\\0"):
-    if raw and not compileall.compile_file(os.fsdecode(raw), quiet=2):
-        failed += 1
-sys.exit(1 if failed else 0)
+    if raw:
+        compileall.compile_file(os.fsdecode(raw), quiet=2)
+sys.exit(0)
 """
 
 
@@ -109,11 +108,23 @@ def bytecode_sources(site: Path) -> list[tuple[int, str]]:
     found: list[tuple[int, str]] = []
     for dirpath, dirnames, _files in os.walk(site):
         dirnames[:] = [d for d in dirnames if d != TEST_FOLDER]
+        if not _bytecode_folder_is_its_own(dirpath):
+            continue
         with os.scandir(dirpath) as entries:
             for entry in entries:
                 if entry.name.endswith(".py") and entry.is_file(follow_symlinks=False):
                     found.append((entry.stat(follow_symlinks=False).st_size, entry.path))
     return found
+
+
+def _bytecode_folder_is_its_own(folder: str) -> bool:
+    """The folder's __pycache__ is absent or a real folder: a link there would have root write bytecode wherever
+    it leads (no wheel can make one, but the env is not trusted for that)."""
+    try:
+        mode = os.lstat(os.path.join(folder, "__pycache__")).st_mode
+    except FileNotFoundError:
+        return True
+    return stat.S_ISDIR(mode)
 
 
 def share_out(sources: list[tuple[int, str]], workers: int) -> list[list[str]]:
@@ -138,7 +149,8 @@ def compile_bytecode(env_dir: Path, workers: int | None = None) -> None:
     idle (25.4 s against 19.2 s for the seed's env)."""
     site = envinspect.site_packages(env_dir)
     shares = share_out(bytecode_sources(site), workers or len(os.sched_getaffinity(0)))
-    cmd = [str(env_dir / "bin" / "python"), "-I", "-W", "ignore", "-c", _COMPILE_LISTED]
+    # -S: the env's .pth files are not run for this (root runs it); compileall needs nothing from site-packages.
+    cmd = [str(env_dir / "bin" / "python"), "-I", "-S", "-W", "ignore", "-c", _COMPILE_LISTED]
     with tempfile.TemporaryDirectory(prefix="bwstack-bytecode-") as tmp:
         running = []
         try:
@@ -165,9 +177,10 @@ def compile_bytecode(env_dir: Path, workers: int | None = None) -> None:
                     child.kill()
                     child.wait()
         for index, code in enumerate(codes):
-            if code not in (0, 1):  # 1: some file did not compile, which is not ours to fix
+            if code != 0:
                 err = Path(tmp, f"{index}.err").read_bytes().decode(errors="replace")
-                raise BwstackError(f"compiling the bytecode of {env_dir} failed (exit {code}): {err.strip()[-400:]}")
+                last = " | ".join(line.strip() for line in err.strip().splitlines()[-3:] if line.strip())
+                raise BwstackError(f"compiling the bytecode of {env_dir} failed (exit {code}): {last[-400:]}")
 
 
 def drop_world_write(cache_dir: Path) -> None:
