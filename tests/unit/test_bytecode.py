@@ -129,3 +129,18 @@ def test_an_env_without_its_interpreter_is_one_line(tmp_path):
     (env / "bin" / "python").unlink()
     with pytest.raises(BwstackError, match=r"could not run .*bin/python to compile the bytecode"):
         envbuild.compile_bytecode(env)
+
+
+def test_an_interpreter_that_hangs_is_stopped_at_the_time_limit_and_said_in_one_line(tmp_path, monkeypatch):
+    env, _site = _env(tmp_path, {"a.py": "", "b.py": ""})
+    python = env / "bin" / "python"
+    python.unlink()
+    pids = tmp_path / "pids"
+    python.write_text(f"#!/bin/sh\necho $$ >> {pids}\nexec sleep 60\n")
+    python.chmod(0o755)
+    monkeypatch.setattr(envbuild, "BYTECODE_TIMEOUT_S", 1)
+    with pytest.raises(BwstackError, match=r"took over 1 s; nothing was switched$"):
+        envbuild.compile_bytecode(env, workers=2)
+    for pid in pids.read_text().split():
+        with pytest.raises(ProcessLookupError):  # killed and reaped, not left running
+            os.kill(int(pid), 0)
