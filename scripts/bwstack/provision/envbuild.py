@@ -104,27 +104,22 @@ sys.exit(0)
 def bytecode_sources(site: Path) -> list[tuple[int, str]]:
     """(size, path) of each source that gets bytecode: a regular file named *.py below site-packages, links not
     followed, none under a folder named TEST_FOLDER below site-packages (only below it: the store's own path may
-    hold such a name)."""
+    hold such a name), none in a folder whose __pycache__ is not a real folder (a link there would have root write
+    bytecode wherever it leads; no wheel can make one, but the env is not trusted for that). One listing a folder."""
     found: list[tuple[int, str]] = []
-    for dirpath, dirnames, _files in os.walk(site):
-        dirnames[:] = [d for d in dirnames if d != TEST_FOLDER]
-        if not _bytecode_folder_is_its_own(dirpath):
-            continue
-        with os.scandir(dirpath) as entries:
-            for entry in entries:
-                if entry.name.endswith(".py") and entry.is_file(follow_symlinks=False):
-                    found.append((entry.stat(follow_symlinks=False).st_size, entry.path))
+    folders = [str(site)]
+    while folders:
+        with os.scandir(folders.pop()) as listing:
+            entries = list(listing)
+        cache = next((e for e in entries if e.name == "__pycache__"), None)
+        own_cache = cache is None or cache.is_dir(follow_symlinks=False)
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                if entry.name not in (TEST_FOLDER, "__pycache__"):
+                    folders.append(entry.path)
+            elif own_cache and entry.name.endswith(".py") and entry.is_file(follow_symlinks=False):
+                found.append((entry.stat(follow_symlinks=False).st_size, entry.path))
     return found
-
-
-def _bytecode_folder_is_its_own(folder: str) -> bool:
-    """The folder's __pycache__ is absent or a real folder: a link there would have root write bytecode wherever
-    it leads (no wheel can make one, but the env is not trusted for that)."""
-    try:
-        mode = os.lstat(os.path.join(folder, "__pycache__")).st_mode
-    except FileNotFoundError:
-        return True
-    return stat.S_ISDIR(mode)
 
 
 def share_out(sources: list[tuple[int, str]], workers: int) -> list[list[str]]:
