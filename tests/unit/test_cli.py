@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -365,9 +366,12 @@ def test_ctrl_c_while_bwstack_starts_exits_130_with_one_line_and_no_traceback(tm
 
     (tmp_path / "sitecustomize.py").write_text(_INTERRUPT_AT_IMPORT)
     path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
+    # Ctrl-C as a terminal delivers it: a test run started in the background of a non-interactive shell inherits
+    # SIGINT ignored, and the interpreter would then never see the interrupt this test sends.
     result = subprocess.run(
         _cli(entry, "--version"), capture_output=True, text=True, timeout=60,
         env={**os.environ, "PYTHONPATH": path, "BWSTACK_TEST_INTERRUPT_AT": module},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     assert "Traceback" not in result.stderr, result.stderr
     assert (result.returncode, result.stdout, result.stderr.count("\n")) == (130, "", 1), result.stderr
