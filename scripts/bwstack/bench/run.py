@@ -369,7 +369,7 @@ class Bench:
             # The profile's toolkit as a provisioned node has it (the PyPI wheels of CUDA 12.x: no nvcc), so the
             # plans and the fix search are the node's, not those of an nvcc this machine has elsewhere.
             fetcher = Fetcher(self.cache / "wheels", Sources(), log=lambda m: None)
-            cudatk.install_pip(self.profile, fetcher, log=lambda m: None)
+            cudatk.install_pip(self.profile, fetcher, cache_dir=self.cache / "uv", log=lambda m: None)
         gen = store.active()
         assert gen is not None
         if sealed.unchanged_generation(gen.env) is not None:

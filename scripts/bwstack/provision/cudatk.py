@@ -25,7 +25,8 @@ from bwstack.lock.model import Profile
 from bwstack.lock.tags import Target, select
 from bwstack.lock.uvtool import run_uv, uv_env
 from bwstack.probe import pathtrust, treecheck
-from bwstack.provision.wheelhouse import Fetcher, link_dir
+from bwstack.provision.envbuild import drop_world_write
+from bwstack.provision.wheelhouse import Fetcher, direct_requirements
 
 MARKER = "bwstack-toolkit.json"
 SKIP = {"__init__.py", "__pycache__", ".metadata"}
@@ -95,8 +96,12 @@ def matches(profile: Profile, st: ToolkitStatus) -> bool:
     return st.version is not None and st.version.startswith(profile.cuda.major_minor + ".")
 
 
-def install_pip(profile: Profile, fetcher: Fetcher, home: Path | None = None, log=print) -> ToolkitStatus:
-    """Lay the locked toolkit wheels out at `home` (default: the profile's). Idempotent."""
+def install_pip(
+    profile: Profile, fetcher: Fetcher, home: Path | None = None, *, cache_dir: Path, log=print
+) -> ToolkitStatus:
+    """Lay the locked toolkit wheels out at `home` (default: the profile's). Idempotent. `cache_dir`: uv's cache,
+    the store's (the env's build unpacks through the same one, so the wheels both take are unpacked once; and root
+    never installs from a cache the caller's environment named)."""
     closure = profile.require_closure()
     home = Path(home or profile.cuda.home)
     current = status(home)
@@ -115,9 +120,8 @@ def install_pip(profile: Profile, fetcher: Fetcher, home: Path | None = None, lo
     building.mkdir(parents=True)
     try:
         site = building / "site"
-        links = link_dir(wheels, building / "wheels")
         reqs = building / "requirements.txt"
-        reqs.write_text("".join(f"{w.package}=={w.version} --hash=sha256:{w.sha256}\n" for w in wheels.values()))
+        reqs.write_text(direct_requirements(wheels))
         result = run_uv(
             [
                 "pip",
@@ -125,8 +129,6 @@ def install_pip(profile: Profile, fetcher: Fetcher, home: Path | None = None, lo
                 "--target",
                 str(site),
                 "--no-index",
-                "--find-links",
-                str(links),
                 "--require-hashes",
                 "--no-deps",
                 "--only-binary",
@@ -140,9 +142,10 @@ def install_pip(profile: Profile, fetcher: Fetcher, home: Path | None = None, lo
                 "-r",
                 str(reqs),
             ],
-            env=uv_env(),
+            env=uv_env({"UV_CACHE_DIR": str(cache_dir)}),
             capture=True,
         )
+        drop_world_write(cache_dir)
         if result.returncode != 0:
             raise BwstackError(f"uv could not unpack the toolkit wheels: {result.stderr.strip()[-800:]}")
         root = building / "root"

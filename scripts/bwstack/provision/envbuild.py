@@ -14,7 +14,7 @@ from pathlib import Path
 from bwstack.errors import BwstackError, UsageError
 from bwstack.lock.uvtool import run_uv, uv_env
 from bwstack.probe import envinspect, interp, preflight
-from bwstack.provision.wheelhouse import LocalWheel
+from bwstack.provision.wheelhouse import LocalWheel, direct_requirements
 
 
 def find_python(version: str, explicit: str | None = None) -> str:
@@ -53,16 +53,11 @@ def install(
         return
     python = env_dir / "bin" / "python"
     extra = {"UV_CACHE_DIR": str(cache_dir)} if cache_dir else {}
-    # Direct file references into the content-addressed store: stable paths, so uv's cache (keyed on the
-    # wheel's location) unpacks each wheel once and later generations hard-link the same files.
+    # Direct file references into the content-addressed store (stable paths): later generations hard-link the
+    # files uv's cache unpacked once.
     with tempfile.TemporaryDirectory(prefix="bwstack-install-") as tmp:
         reqs = Path(tmp, "requirements.txt")
-        reqs.write_text(
-            "".join(
-                f"{w.package} @ {w.path.absolute().as_uri()} --hash=sha256:{w.sha256}\n"
-                for w in sorted(wheels.values(), key=lambda w: w.package)
-            )
-        )
+        reqs.write_text(direct_requirements(wheels))
         args = [
             "pip", "install", "--python", str(python), "--no-index",
             "--require-hashes", "--no-deps", "--only-binary", ":all:",

@@ -465,12 +465,12 @@ class _Folder:
         dirfd.remove(self.fd, name)
 
 
-def link_dir(wheels: Mapping[str, LocalWheel], directory: Path) -> Path:
-    """A flat find-links directory holding exactly the selected wheels (symlinks into the store)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    for wheel in wheels.values():
-        link = directory / wheel.file
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        link.symlink_to(wheel.path)
-    return directory
+def direct_requirements(wheels: Mapping[str, LocalWheel]) -> str:
+    """uv's requirements for exactly `wheels`: each a direct reference to its file in the content-addressed store,
+    with its hash. One form for every install from the store (the CUDA toolkit's and the env's): uv keys the wheels
+    it unpacks into its cache by their location, so a wheel both take (the toolkit's cuBLAS, NVRTC, cuRAND, which
+    torch also needs) is unpacked once and the second install links the same files."""
+    return "".join(
+        f"{w.package} @ {w.path.absolute().as_uri()} --hash=sha256:{w.sha256}\n"
+        for w in sorted(wheels.values(), key=lambda w: w.package)
+    )

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     unhashed = args.allow_unhashed or ()
     fetcher = Fetcher(layout.wheel_store, options.sources(args), unhashed, log=console.log, elsewhere=closure.env)
     before = cudatk.status(home)
-    st = cudatk.install_pip(profile, fetcher, home, log=console.log)
+    st = cudatk.install_pip(profile, fetcher, home, cache_dir=layout.uv_cache, log=console.log)
     payload = st.as_dict() | {"changed": not before.exists}
     console.result(payload, f"{home}: CUDA {st.version} ({'installed' if not before.exists else 'already there'})")
     return 0
