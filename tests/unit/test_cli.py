@@ -320,6 +320,14 @@ def test_the_bench_compiles_its_dependencies_bytecode_as_an_install_has_it(tmp_p
     assert cached.is_file()
 
 
+def test_the_bench_report_shows_a_ratio_short_of_its_goal_as_short_of_it():
+    """P7's 129.6 s anchor against 280.7 s is 0.46: printed to one decimal it read "0.5x", its goal of 0.5 met."""
+    from bwstack.bench.run import Figure, render
+
+    figure = Figure("P7", "fresh node", [280.7], anchor="uv + verify", anchor_runs=[129.6], goal="ratio >= 0.5")
+    assert "| 0.46x | ratio >= 0.5 |" in render([figure])
+
+
 # ------------------------------------------------------------------------------------------------ Ctrl-C at start-up
 
 # Modules bwstack imports on its way to a command, after its package's first lines (which guard SIGINT) ran: the

@@ -68,3 +68,4 @@ def test_a_wheel_the_toolkit_and_the_env_both_take_is_unpacked_once(node):
     (in_env,) = (node.root / "generations").glob(f"*/env/lib/python3.12/site-packages/{SHARED_FILE}")
     assert os.stat(in_env).st_ino == os.stat(first).st_ino
     assert os.stat(node.home / "lib" / "libcudart.so.12").st_ino != os.stat(first).st_ino
+    assert not (node.tmp / "callers-uv-cache").exists()  # the build's `uv venv` keeps interpreter facts there

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import bwstack
+from helpers import bwstack, needs_py312
 
 
 class Listener:
@@ -272,6 +272,22 @@ def test_env_install_refuses_a_wheel_store_or_uv_cache_others_can_write(stack, t
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1 and "is not this user's alone" in result.stderr
     assert not env.exists() and list(shared.iterdir()) == []
+
+
+@needs_py312
+def test_env_install_without_uv_cache_unpacks_through_bwstacks_own_cache_not_the_environments(stack, tmp_path):
+    """uv takes what its cache holds as a wheel's files: a UV_CACHE_DIR the caller's environment names (one another
+    user could fill) is never where root's install comes from."""
+    env = tmp_path / "env"
+    result = stack.run(
+        "env", "install", "--requirements", str(_requirements(stack, tmp_path)), "--into", str(env),
+        "--wheelhouse", str(stack.wheelhouse), "--offline",
+        extra_env={"UV_CACHE_DIR": str(tmp_path / "callers-uv-cache")},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert list(env.glob("lib/python3.12/site-packages/torch/version.py"))
+    assert not (tmp_path / "callers-uv-cache").exists()
+    assert list((stack.root / "cache" / "uv").glob("archive-v*/*/torch/version.py"))
 
 
 def test_index_mirrors_are_read_from_bwstack_index_as_well_as_the_command_line(stack, tmp_path):

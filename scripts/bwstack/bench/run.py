@@ -123,7 +123,8 @@ def render(figures: list[Figure]) -> str:
     header = "| bench | measured | bwstack median [min-max] | anchor | anchor median [min-max] | ratio | goal |"
     lines = [header, "|---|---|---|---|---|---|---|"]
     for f in figures:
-        ratio = f"{f.ratio:.1f}x" if f.ratio is not None else "-"
+        # Two decimals: the goals are ratios like 0.5, and 0.46 shown as "0.5x" read as met.
+        ratio = f"{f.ratio:.2f}x" if f.ratio is not None else "-"
         lines.append(
             f"| {f.bench} | {f.what} | {_fmt(f.runs, f.unit)} | {f.anchor or '-'} | {_fmt(f.anchor_runs, f.unit)} | "
             f"{ratio} | {f.goal or '-'} |"

@@ -203,7 +203,7 @@ def _build_generation(
     try:
         t0 = time.perf_counter()
         env = building / "env"
-        envbuild.create_venv(env, python)
+        envbuild.create_venv(env, python, cache_dir=layout.uv_cache)
         checkpoint("after-venv")
         envbuild.install(env, wheels, cache_dir=layout.uv_cache, ca_bundle=opts.ca_bundle)
         timings["install_s"] = time.perf_counter() - t0

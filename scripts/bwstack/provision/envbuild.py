@@ -32,10 +32,12 @@ def find_python(version: str, explicit: str | None = None) -> str:
     return found
 
 
-def create_venv(dest: Path, python: str, *, env: Mapping[str, str] | None = None) -> None:
+def create_venv(dest: Path, python: str, *, cache_dir: Path) -> None:
     """A relocatable venv: its scripts find their interpreter relative to themselves, so the env can be
-    built under a temporary name and renamed into place."""
-    result = run_uv(["venv", "--relocatable", "--python", python, str(dest)], env=env or uv_env(), capture=True)
+    built under a temporary name and renamed into place. `cache_dir`: uv's cache (it keeps what it learnt of the
+    interpreter there), as for `install`."""
+    env = uv_env({"UV_CACHE_DIR": str(cache_dir)})
+    result = run_uv(["venv", "--relocatable", "--python", python, str(dest)], env=env, capture=True)
     if result.returncode != 0:
         raise BwstackError(f"uv venv failed for {dest}: {result.stderr.strip()[-800:]}")
 
@@ -44,15 +46,17 @@ def install(
     env_dir: Path,
     wheels: Mapping[str, LocalWheel],
     *,
-    cache_dir: Path | None = None,
+    cache_dir: Path,
     link_mode: str = "hardlink",
     ca_bundle: str | None = None,
 ) -> None:
-    """Install exactly `wheels` (no resolution, no index, hashes required) into the env."""
+    """Install exactly `wheels` (no resolution, no index, hashes required) into the env. `cache_dir`: uv's cache,
+    always named: uv takes what its cache holds as the wheel's files, so root never uses one the caller's
+    environment (UV_CACHE_DIR) names."""
     if not wheels:
         return
     python = env_dir / "bin" / "python"
-    extra = {"UV_CACHE_DIR": str(cache_dir)} if cache_dir else {}
+    extra = {"UV_CACHE_DIR": str(cache_dir)}
     # Direct file references into the content-addressed store (stable paths): later generations hard-link the
     # files uv's cache unpacked once.
     with tempfile.TemporaryDirectory(prefix="bwstack-install-") as tmp:
@@ -64,8 +68,7 @@ def install(
             "--link-mode", link_mode, "-r", str(reqs),
         ]  # fmt: skip
         result = run_uv(args, env=uv_env(extra, ca_bundle=ca_bundle), capture=True)
-    if cache_dir is not None:
-        drop_world_write(cache_dir)
+    drop_world_write(cache_dir)
     if result.returncode != 0:
         detail = result.stderr.strip()[-1200:]
         if "No space left on device" in detail:

@@ -28,7 +28,11 @@ def add_options(p: argparse.ArgumentParser) -> None:
         type=options.plain_path,
         help="wheel store, a folder only this user can write (default: bwstack's own)",
     )
-    install.add_argument("--uv-cache", type=options.plain_path)
+    install.add_argument(
+        "--uv-cache",
+        type=options.plain_path,
+        help="uv's cache, a folder only this user can write (default: bwstack's own, never the environment's)",
+    )
     install.add_argument("--link-mode", default="copy", choices=["copy", "hardlink"])
 
 
@@ -46,22 +50,27 @@ def run(args: argparse.Namespace) -> int:
     target = Target(python=args.python_version, glibc_minor=args.glibc)
     # The wheels become the env's files and uv's cache its unpacked copies: folders others could write are
     # refused. Without --store, bwstack's own wheel store (never a folder beside the env, which may be /tmp).
+    # Likewise uv's cache: without --uv-cache, bwstack's own, never one the caller's environment (UV_CACHE_DIR) names.
+    own = None if args.store and args.uv_cache else Layout.default()
+    if own is not None:
+        check_cache(own)
     if args.store:
         store = Path(args.store)
         check_private_folder(store, "the wheel store", "--store")
     else:
-        layout = Layout.default()
-        check_cache(layout)
-        store = layout.wheel_store
+        store = own.wheel_store
     if args.uv_cache:
-        check_private_folder(Path(args.uv_cache), "the uv cache", "--uv-cache")
+        uv_cache = Path(args.uv_cache)
+        check_private_folder(uv_cache, "the uv cache", "--uv-cache")
+    else:
+        uv_cache = own.uv_cache
     # A build step gets its wheels from the build's server (a wheelhouse) or the lock's URLs; --index (and
     # BWSTACK_INDEX) mirrors are used as `fetch` and `cuda install` use them, never taken and ignored.
     fetcher = Fetcher(store, sources, args.allow_unhashed or ())
     wheels = fetcher.fetch_all(select(packages, target))
     if not (env / "bin" / "python").exists():
-        envbuild.create_venv(env, envbuild.find_python(args.python_version, args.python))
-    envbuild.install(env, wheels, link_mode=args.link_mode, cache_dir=Path(args.uv_cache) if args.uv_cache else None)
+        envbuild.create_venv(env, envbuild.find_python(args.python_version, args.python), cache_dir=uv_cache)
+    envbuild.install(env, wheels, link_mode=args.link_mode, cache_dir=uv_cache)
     Console().text(f"installed {len(wheels)} packages into {env}")
     return 0
 
