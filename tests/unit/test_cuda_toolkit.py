@@ -7,6 +7,8 @@ NVIDIA's runtime wheel and taken by both the toolkit and the env, as the real cu
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,9 +38,9 @@ def node(tmp_path: Path):
     n = Node()
     n.tmp, n.root, n.uv_cache = tmp_path, root, root / "cache" / "uv"
     n.home = tmp_path / "cuda-home"
-    n.run = lambda *args: bwstack(
-        "--lock", str(lock), *args, "--wheelhouse", str(wheelhouse), "--offline", env=env, timeout=600
-    )
+    n.env = {**os.environ, **env}
+    n.args = lambda *args: ["--lock", str(lock), *args, "--wheelhouse", str(wheelhouse), "--offline"]
+    n.run = lambda *args: bwstack(*n.args(*args), env=env, timeout=600)
     return n
 
 
@@ -69,3 +71,24 @@ def test_a_wheel_the_toolkit_and_the_env_both_take_is_unpacked_once(node):
     assert os.stat(in_env).st_ino == os.stat(first).st_ino
     assert os.stat(node.home / "lib" / "libcudart.so.12").st_ino != os.stat(first).st_ino
     assert not (node.tmp / "callers-uv-cache").exists()  # the build's `uv venv` keeps interpreter facts there
+
+
+@needs_py312
+def test_the_toolkit_install_runs_no_interpreter_the_callers_folder_or_environment_names(node):
+    """Without an interpreter named, uv finds one (a .venv in the folder it runs in, VIRTUAL_ENV) and runs it to
+    learn its facts: root would run the caller's program. bwstack names its own."""
+    planted = node.tmp / "project" / ".venv"
+    (planted / "bin").mkdir(parents=True)
+    (planted / "pyvenv.cfg").write_text("home = /usr/bin\nversion_info = 3.12.1\n")
+    ran = node.tmp / "the-planted-interpreter-ran"
+    (planted / "bin" / "python").write_text(f"#!/bin/sh\ntouch {ran}\nexit 1\n")
+    (planted / "bin" / "python").chmod(0o755)
+    (planted / "bin" / "python3").symlink_to("python")
+    done = subprocess.run(
+        [sys.executable, "-m", "bwstack", *node.args("cuda", "install", "--profile", "fixture-old",
+                                                      "--prefix", str(node.home))],
+        cwd=planted.parent, env={**node.env, "VIRTUAL_ENV": str(planted)}, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert not ran.exists()
+    assert (node.home / "lib" / "libcudart.so.12").is_file()

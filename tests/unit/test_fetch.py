@@ -290,6 +290,54 @@ def test_env_install_without_uv_cache_unpacks_through_bwstacks_own_cache_not_the
     assert list((stack.root / "cache" / "uv").glob("archive-v*/*/torch/version.py"))
 
 
+def _callers_uv_setting(name: str, tmp_path: Path) -> str:
+    """A value of the caller's environment that, reaching uv, would change what root installs or where from."""
+    if name == "UV_OVERRIDE":  # another fixture-shared, hash and all: --require-hashes only asks for one
+        other = next((tmp_path / "extra-wheels").glob("fixture_shared-2.0-*.whl"))
+        path = tmp_path / "override.txt"
+        path.write_text(
+            f"fixture-shared @ {other.as_uri()} --hash=sha256:{hashlib.sha256(other.read_bytes()).hexdigest()}\n"
+        )
+        return str(path)
+    if name == "UV_EXCLUDE":
+        (tmp_path / "exclude.txt").write_text("torch\n")
+        return str(tmp_path / "exclude.txt")
+    if name == "UV_CONFIG_FILE":  # read even with UV_NO_CONFIG
+        (tmp_path / "uv.toml").write_text("no-cache = true\n")
+        return str(tmp_path / "uv.toml")
+    return "1"  # UV_NO_CACHE: unpacked into a temporary folder, not the store's cache
+
+
+@needs_py312
+@pytest.mark.parametrize("name", ["UV_OVERRIDE", "UV_EXCLUDE", "UV_CONFIG_FILE", "UV_NO_CACHE"])
+def test_the_callers_uv_settings_do_not_reach_the_uv_that_installs(stack, tmp_path, name):
+    env = tmp_path / "env"
+    result = stack.run(
+        "env", "install", "--requirements", str(_requirements(stack, tmp_path)), "--into", str(env),
+        "--wheelhouse", str(stack.wheelhouse), "--offline", extra_env={name: _callers_uv_setting(name, stack.tmp)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    site = env / "lib" / "python3.12" / "site-packages"
+    assert (site / "fixture_shared" / "__init__.py").read_text() == "DATA = 'shared v1'\n"
+    assert (site / "torch" / "version.py").is_file()
+    assert list((stack.root / "cache" / "uv").glob("archive-v*/*/fixture_shared/__init__.py"))
+
+
+def test_env_install_refuses_hard_links_into_bwstacks_own_uv_cache(stack, tmp_path):
+    """Hard-linked, the env's files would be the same inodes as the sealed generations' (the store's uv cache)."""
+    env = tmp_path / "env"
+    result = stack.run(
+        "env", "install", "--requirements", str(_requirements(stack, tmp_path)), "--into", str(env),
+        "--wheelhouse", str(stack.wheelhouse), "--offline", "--link-mode", "hardlink",
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert (
+        result.stderr.startswith("bwstack: error: --link-mode hardlink needs --uv-cache")
+        and result.stderr.count("\n") == 1
+    )
+    assert not env.exists()
+
+
 def test_index_mirrors_are_read_from_bwstack_index_as_well_as_the_command_line(stack, tmp_path):
     """BWSTACK_INDEX (one NAME=URL a line) keeps a mirror's token out of the process table; it is checked as
     --index is."""

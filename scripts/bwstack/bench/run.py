@@ -21,6 +21,7 @@ its numbers mean nothing. Goals are printed beside the figures; nothing here ass
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -123,8 +124,9 @@ def render(figures: list[Figure]) -> str:
     header = "| bench | measured | bwstack median [min-max] | anchor | anchor median [min-max] | ratio | goal |"
     lines = [header, "|---|---|---|---|---|---|---|"]
     for f in figures:
-        # Two decimals: the goals are ratios like 0.5, and 0.46 shown as "0.5x" read as met.
-        ratio = f"{f.ratio:.2f}x" if f.ratio is not None else "-"
+        # Two decimals, rounded down: the goals are ratios like 0.5, and 0.46 shown as "0.5x" (or 0.496 as "0.50x")
+        # read as met.
+        ratio = f"{math.floor(f.ratio * 100) / 100:.2f}x" if f.ratio is not None else "-"
         lines.append(
             f"| {f.bench} | {f.what} | {_fmt(f.runs, f.unit)} | {f.anchor or '-'} | {_fmt(f.anchor_runs, f.unit)} | "
             f"{ratio} | {f.goal or '-'} |"

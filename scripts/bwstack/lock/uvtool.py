@@ -30,12 +30,17 @@ def uv_version() -> str:
     return out.split()[1]
 
 
+# What in the caller's environment steers which interpreter uv finds and runs, or what Python imports when it does.
+CALLERS_INTERPRETER = ("VIRTUAL_ENV", "CONDA_PREFIX", "PYTHONPATH", "PYTHONHOME", "PYTHONUSERBASE", "PYTHONSTARTUP")
+
+
 def uv_env(extra: Mapping[str, str] | None = None, *, ca_bundle: str | None = None) -> dict[str, str]:
-    """Environment for uv: no managed-Python downloads, no user config, the given CA bundle if any."""
-    env = dict(os.environ)
+    """Environment for uv: none of the caller's UV_* settings (uv reads dozens: overrides, constraints and excludes
+    that change what is installed, a config file it reads even with UV_NO_CONFIG, a cache or none; a uv bwstack
+    runs may install as root), none of what picks the interpreter it runs; no managed-Python downloads, no user
+    config, the given CA bundle if any. What bwstack wants of uv it sets here or names in `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UV_") and k not in CALLERS_INTERPRETER}
     env.update({"UV_PYTHON_DOWNLOADS": "never", "UV_NO_CONFIG": "1", "UV_NO_PROGRESS": "1"})
-    for key in ("UV_INDEX_URL", "UV_EXTRA_INDEX_URL", "UV_FIND_LINKS", "UV_INDEX", "UV_DEFAULT_INDEX"):
-        env.pop(key, None)
     if ca_bundle:
         env["SSL_CERT_FILE"] = ca_bundle
     if extra:

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,6 +129,10 @@ def install_pip(
                 "install",
                 "--target",
                 str(site),
+                # The interpreter uv asks for the target's facts: bwstack's own, never one uv would find from the
+                # folder it runs in (a .venv there) or the caller's environment, which root would then run.
+                "--python",
+                sys.executable,
                 "--no-index",
                 "--require-hashes",
                 "--no-deps",
@@ -144,6 +149,7 @@ def install_pip(
             ],
             env=uv_env({"UV_CACHE_DIR": str(cache_dir)}),
             capture=True,
+            cwd=str(building),
         )
         drop_world_write(cache_dir)
         if result.returncode != 0:

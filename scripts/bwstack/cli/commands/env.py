@@ -43,6 +43,10 @@ def run(args: argparse.Namespace) -> int:
     from bwstack.provision.wheelhouse import Fetcher
     from bwstack.store.layout import Layout, check_cache, check_private_folder
 
+    if args.link_mode == "hardlink" and not args.uv_cache:
+        # The env's files would be bwstack's own uv cache's: the same inodes its sealed generations hold.
+        raise UsageError("--link-mode hardlink needs --uv-cache (a cache of this env's own): without it the env's "
+                         "files would be hard links into bwstack's uv cache, which its generations share")  # fmt: skip
     options.apply_ca_bundle(args)
     env = _env_folder(args.into)
     sources = options.sources(args)
