@@ -145,3 +145,45 @@ def test_an_env_kept_under_a_folder_named_tests_still_gets_its_bytecode(tmp_path
     env = _env_with_modules(tmp_path / "tests" / "store")
     envbuild.compile_bytecode(env)
     assert _with_bytecode(env) == ["pkg/__init__", "pkg/mod", "pkg/testsuite/mod"]
+
+
+def _seal_with_early_hash(tmp_path: Path, change) -> dict[str, str]:
+    """A generation hashed early (as the build does, right after the install), changed by `change`, then sealed:
+    its manifest's hashes by path."""
+    from bwstack.store.generations import Store
+    from bwstack.store.layout import Layout
+
+    layout = Layout(tmp_path / "root", tmp_path / "ml-env", None, None)
+    layout.generations.mkdir(parents=True)
+    store = Store(layout, log=lambda *_: None)
+    building = store.begin("0000-early-hash")
+    env = building / "env"
+    env.mkdir()
+    (env / "kept.py").write_text("a = 1\n")
+    (env / "rewritten.py").write_text("b = 1\n")
+    hashed = manifest.known_hashes(manifest.build(building), os.stat(building).st_dev)
+    change(env)
+    return {e.path: e.sha256 for e in store.seal_and_hash(building, hashed=hashed) if e.kind == "f"}
+
+
+def test_the_seal_reuses_the_builds_early_hash_of_a_file_left_as_it_was(tmp_path):
+    sealed = _seal_with_early_hash(tmp_path, lambda env: None)
+    assert sealed["env/kept.py"] == sha256_file(tmp_path / "root/generations/.building-0000-early-hash/env/kept.py")
+
+
+def test_the_seal_hashes_again_a_file_rewritten_after_the_builds_early_hash(tmp_path):
+    def rewrite(env: Path) -> None:
+        victim = env / "rewritten.py"
+        before = victim.stat()
+        victim.write_text("b = 2\n")  # same size, same inode: only its mtime says it changed
+        os.utime(victim, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
+
+    sealed = _seal_with_early_hash(tmp_path, rewrite)
+    on_disk = tmp_path / "root/generations/.building-0000-early-hash/env/rewritten.py"
+    assert on_disk.read_text() == "b = 2\n"
+    assert sealed["env/rewritten.py"] == sha256_file(on_disk)
+
+
+def test_the_seal_hashes_a_file_added_after_the_builds_early_hash(tmp_path):
+    sealed = _seal_with_early_hash(tmp_path, lambda env: (env / "added.pyc").write_bytes(b"\x00" * 16))
+    assert sealed["env/added.pyc"] == sha256_file(tmp_path / "root/generations/.building-0000-early-hash/env/added.pyc")

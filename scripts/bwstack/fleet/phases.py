@@ -47,6 +47,7 @@ SAY_WHICH_WAY = "Converged check - say which way this run goes"  # its message i
 BUILD_TIMINGS = (
     ("fetch_s", "fetch"),
     ("install_s", "install"),
+    ("hash_s", "hash"),
     ("bytecode_s", "bytecode"),
     ("seal_manifest_s", "seal"),
     ("verify_s", "verify (build)"),

@@ -25,6 +25,7 @@ from bwstack.probe import envinspect
 from bwstack.probe import main as probe
 from bwstack.provision import backup, envbuild, patches
 from bwstack.provision.wheelhouse import Fetcher, LocalWheel, Sources
+from bwstack.store import manifest
 from bwstack.store.generations import Generation, Store, checkpoint, generation_name, now_iso, write_hook
 from bwstack.store.layout import Layout
 from bwstack.store.record import GenerationRecord
@@ -211,6 +212,12 @@ def _build_generation(
         applied = patches.apply(envinspect.site_packages(env), profile.patches) if profile.patches else []
         checkpoint("after-patch")
         write_hook(env, name)
+        # Hashed now, while the files uv just wrote are still in memory: by the seal, after the bytecode, a host
+        # short of memory (or one that pages out what was not read for a minute) reads them from disk again. The
+        # seal reuses each hash for the inode it was taken from, while its size and mtime are as they were.
+        t1 = time.perf_counter()
+        hashed = manifest.known_hashes(manifest.build(building), os.stat(building).st_dev)
+        timings["hash_s"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         envbuild.compile_bytecode(env)
         timings["bytecode_s"] = time.perf_counter() - t1
@@ -227,7 +234,7 @@ def _build_generation(
             t1 = time.perf_counter()
             probe.record_static(building, env, profile.expect.target_capability)
             timings["facts_s"] = time.perf_counter() - t1
-            entries = store.seal_and_hash(building, sealed=True)
+            entries = store.seal_and_hash(building, sealed=True, hashed=hashed)
             timings["seal_manifest_s"] = time.perf_counter() - t0
             verification, torch = pending.result()
         timings["verify_s"] = time.perf_counter() - t0

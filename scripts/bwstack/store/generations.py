@@ -31,6 +31,7 @@ import json
 import os
 import stat
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from importlib import resources
@@ -398,14 +399,23 @@ class Store:
         os.chmod(building, 0o755)
         return building
 
-    def seal_and_hash(self, building: Path, *, sealed: bool = False) -> list[manifest.Entry]:
+    def seal_and_hash(
+        self,
+        building: Path,
+        *,
+        sealed: bool = False,
+        hashed: Mapping[tuple[int, int, int, int], str] | None = None,
+    ) -> list[manifest.Entry]:
         """Seal the env (unless `sealed`: done already) and hash everything in the generation directory so far
-        (files shared with uv's cache or other generations are hashed once)."""
+        (files shared with uv's cache or other generations are hashed once). `hashed`: what this build hashed of
+        the same directory earlier (manifest.known_hashes), reused for each inode whose size and mtime are as
+        they were then."""
         if not sealed:
             seal(building / "env")
         checkpoint("before-manifest")
         dev = os.stat(building).st_dev
         known: dict = manifest.HashCache(self.layout.cache / "file-hashes.json").load(dev)
+        known.update(hashed or {})
         for gen in self.usable():
             try:
                 if os.stat(gen.path).st_dev == dev:
