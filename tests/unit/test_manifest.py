@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -147,11 +148,14 @@ def test_an_env_kept_under_a_folder_named_tests_still_gets_its_bytecode(tmp_path
     assert _with_bytecode(env) == ["pkg/__init__", "pkg/mod", "pkg/testsuite/mod"]
 
 
-def _seal_with_early_hash(tmp_path: Path, change) -> dict[str, str]:
-    """A generation hashed early (as the build does, right after the install), changed by `change`, then sealed:
-    its manifest's hashes by path."""
+def _seal_with_early_hash(tmp_path: Path, change, monkeypatch=None) -> tuple[dict[str, str], list[str]]:
+    """A generation hashed early as the build does it (its files sealed, the moment read from the filesystem's
+    clock, every file hashed), changed by `change`, then sealed: its manifest's hashes by path, and the files the
+    seal itself hashed."""
+    from bwstack.provision.build import _filesystem_now
     from bwstack.store.generations import Store
     from bwstack.store.layout import Layout
+    from bwstack.store.tree import seal
 
     layout = Layout(tmp_path / "root", tmp_path / "ml-env", None, None)
     layout.generations.mkdir(parents=True)
@@ -161,29 +165,55 @@ def _seal_with_early_hash(tmp_path: Path, change) -> dict[str, str]:
     env.mkdir()
     (env / "kept.py").write_text("a = 1\n")
     (env / "rewritten.py").write_text("b = 1\n")
+    seal(env, folders=False)
+    # The filesystem stamps inodes from a coarse tick: a file sealed in the tick the moment is read from counts as
+    # changed after it (hashed again, which costs only time). Here the moment waits for the next tick.
+    sealed_at = max(p.lstat().st_ctime_ns for p in env.iterdir())
+    until, deadline = _filesystem_now(building), time.monotonic() + 5
+    while until < sealed_at and time.monotonic() < deadline:
+        time.sleep(0.001)
+        until = _filesystem_now(building)
     hashed = manifest.known_hashes(manifest.build(building), os.stat(building).st_dev)
     change(env)
-    return {e.path: e.sha256 for e in store.seal_and_hash(building, hashed=hashed) if e.kind == "f"}
+    seen: list[str] = []
+    if monkeypatch is not None:
+        monkeypatch.setattr(manifest, "sha256_file", lambda path: seen.append(Path(path).name) or sha256_file(path))
+    entries = store.seal_and_hash(building, hashed=hashed, hashed_until=until)
+    return {e.path: e.sha256 for e in entries if e.kind == "f"}, seen
 
 
-def test_the_seal_reuses_the_builds_early_hash_of_a_file_left_as_it_was(tmp_path):
-    sealed = _seal_with_early_hash(tmp_path, lambda env: None)
-    assert sealed["env/kept.py"] == sha256_file(tmp_path / "root/generations/.building-0000-early-hash/env/kept.py")
+def _on_disk(tmp_path: Path, name: str) -> Path:
+    return tmp_path / "root/generations/.building-0000-early-hash/env" / name
 
 
-def test_the_seal_hashes_again_a_file_rewritten_after_the_builds_early_hash(tmp_path):
+def test_the_seal_hashes_again_only_what_changed_since_the_builds_early_hash(tmp_path, monkeypatch):
+    sealed, seen = _seal_with_early_hash(tmp_path, lambda env: (env / "added.pyc").write_bytes(b"\0" * 16), monkeypatch)
+    assert seen == ["added.pyc"]
+    assert sealed["env/kept.py"] == sha256_file(_on_disk(tmp_path, "kept.py"))
+    assert sealed["env/added.pyc"] == sha256_file(_on_disk(tmp_path, "added.pyc"))
+
+
+def test_the_seal_hashes_again_a_file_rewritten_in_place_after_the_early_hash_with_its_mtime_put_back(tmp_path):
     def rewrite(env: Path) -> None:
         victim = env / "rewritten.py"
         before = victim.stat()
-        victim.write_text("b = 2\n")  # same size, same inode: only its mtime says it changed
-        os.utime(victim, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
+        victim.chmod(0o644)
+        victim.write_text("b = 2\n")  # same size, same inode
+        victim.chmod(0o444)
+        os.utime(victim, ns=(before.st_atime_ns, before.st_mtime_ns))
 
-    sealed = _seal_with_early_hash(tmp_path, rewrite)
-    on_disk = tmp_path / "root/generations/.building-0000-early-hash/env/rewritten.py"
-    assert on_disk.read_text() == "b = 2\n"
-    assert sealed["env/rewritten.py"] == sha256_file(on_disk)
+    sealed, _ = _seal_with_early_hash(tmp_path, rewrite)
+    assert _on_disk(tmp_path, "rewritten.py").read_text() == "b = 2\n"
+    assert sealed["env/rewritten.py"] == sha256_file(_on_disk(tmp_path, "rewritten.py"))
 
 
-def test_the_seal_hashes_a_file_added_after_the_builds_early_hash(tmp_path):
-    sealed = _seal_with_early_hash(tmp_path, lambda env: (env / "added.pyc").write_bytes(b"\x00" * 16))
-    assert sealed["env/added.pyc"] == sha256_file(tmp_path / "root/generations/.building-0000-early-hash/env/added.pyc")
+def test_the_early_hash_of_a_file_removed_since_is_not_lent_to_a_new_file(tmp_path):
+    def replace(env: Path) -> None:
+        victim = env / "rewritten.py"
+        before = victim.stat()
+        victim.unlink()
+        victim.write_text("b = 3\n")  # may get the freed inode back; its mtime set as before
+        os.utime(victim, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+    sealed, _ = _seal_with_early_hash(tmp_path, replace)
+    assert sealed["env/rewritten.py"] == sha256_file(_on_disk(tmp_path, "rewritten.py"))

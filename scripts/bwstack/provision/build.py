@@ -214,8 +214,11 @@ def _build_generation(
         write_hook(env, name)
         # Hashed now, while the files uv just wrote are still in memory: by the seal, after the bytecode, a host
         # short of memory (or one that pages out what was not read for a minute) reads them from disk again. The
-        # seal reuses each hash for the inode it was taken from, while its size and mtime are as they were.
+        # files are made read-only first (their folders stay writable for the bytecode), since that moves every
+        # inode change time; the seal reuses a hash only for a file whose inode has not changed since.
         t1 = time.perf_counter()
+        seal(env, folders=False)
+        hashed_until = _filesystem_now(building)
         hashed = manifest.known_hashes(manifest.build(building), os.stat(building).st_dev)
         timings["hash_s"] = time.perf_counter() - t1
         t1 = time.perf_counter()
@@ -234,7 +237,7 @@ def _build_generation(
             t1 = time.perf_counter()
             probe.record_static(building, env, profile.expect.target_capability)
             timings["facts_s"] = time.perf_counter() - t1
-            entries = store.seal_and_hash(building, sealed=True, hashed=hashed)
+            entries = store.seal_and_hash(building, sealed=True, hashed=hashed, hashed_until=hashed_until)
             timings["seal_manifest_s"] = time.perf_counter() - t0
             verification, torch = pending.result()
         timings["verify_s"] = time.perf_counter() - t0
@@ -265,6 +268,18 @@ def _build_generation(
     except BaseException:
         remove_tree(building)
         raise
+
+
+def _filesystem_now(folder: Path) -> int:
+    """Now on the clock `folder`'s filesystem stamps inodes with (a network filesystem's server, a kernel's coarse
+    tick), less one: a file changed in the same tick counts as changed after it. Read from a file made there."""
+    probe_path = folder / f".bwstack-now.{os.getpid()}"
+    fd = os.open(probe_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        return os.fstat(fd).st_ctime_ns - 1
+    finally:
+        os.close(fd)
+        os.unlink(probe_path)
 
 
 def _manifest_meta(record: GenerationRecord) -> dict:

@@ -405,24 +405,26 @@ class Store:
         *,
         sealed: bool = False,
         hashed: Mapping[tuple[int, int, int, int], str] | None = None,
+        hashed_until: int = 0,
     ) -> list[manifest.Entry]:
         """Seal the env (unless `sealed`: done already) and hash everything in the generation directory so far
         (files shared with uv's cache or other generations are hashed once). `hashed`: what this build hashed of
-        the same directory earlier (manifest.known_hashes), reused for each inode whose size and mtime are as
-        they were then."""
+        the same directory earlier (manifest.known_hashes), reused only for a file whose inode has not changed
+        since `hashed_until` (manifest.build's `earlier`)."""
         if not sealed:
             seal(building / "env")
         checkpoint("before-manifest")
         dev = os.stat(building).st_dev
         known: dict = manifest.HashCache(self.layout.cache / "file-hashes.json").load(dev)
-        known.update(hashed or {})
         for gen in self.usable():
             try:
                 if os.stat(gen.path).st_dev == dev:
                     known.update(manifest.known_hashes(gen.manifest_entries(), dev))
             except (OSError, IntegrityError):
                 continue
-        return manifest.build(building, known, skip_top=(MANIFEST, RECORD))
+        return manifest.build(
+            building, known, skip_top=(MANIFEST, RECORD), earlier=hashed, earlier_until=hashed_until if hashed else 0
+        )
 
     def commit(
         self,

@@ -127,11 +127,17 @@ def build(
     known: Mapping[tuple[int, int, int, int], str] | None = None,
     workers: int | None = None,
     skip_top: Iterable[str] = (MANIFEST_NAME,),
+    *,
+    earlier: Mapping[tuple[int, int, int, int], str] | None = None,
+    earlier_until: int = 0,
 ) -> list[Entry]:
     """Manifest entries of `root` (a generation directory). `known` maps (dev, ino, size, mtime_ns) to a
     sha256 already computed for that inode (files hard-linked from the uv cache into several generations
-    are hashed once)."""
+    are hashed once). `earlier`: hashes of this same tree taken before (same keys), reused only for a file
+    whose inode has not changed since `earlier_until` (ns, the filesystem's clock): a write in place moves the
+    inode change time even when the writer puts the mtime back, and a new file made since has a later one."""
     known = known or {}
+    earlier = earlier or {}
     entries: list[Entry | None] = []
     to_hash: list[tuple[int, str, os.stat_result]] = []
     for rel, st in walk(root, skip_top=skip_top, one_filesystem=True):
@@ -140,7 +146,10 @@ def build(
         elif stat.S_ISDIR(st.st_mode):
             entries.append(_entry(rel, "d", st, "", size=0))
         elif stat.S_ISREG(st.st_mode):
-            sha = known.get((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+            key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            sha = known.get(key)
+            if sha is None and st.st_ctime_ns <= earlier_until:
+                sha = earlier.get(key)
             if sha is None:
                 to_hash.append((len(entries), rel, st))
                 entries.append(None)

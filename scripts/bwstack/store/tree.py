@@ -29,10 +29,11 @@ def replace_sealed(path: Path, text: str) -> None:
     atomic_write_text(path, text, mode=0o444)
 
 
-def seal(env: Path) -> None:
+def seal(env: Path, *, folders: bool = True) -> None:
     """Files read-only for everyone, no setuid/setgid bits, nothing group- or world-writable. Installers
     replace files (new inodes) rather than writing through, so a hard link shared with another generation
-    is never modified; the generation hook stops Python from adding bytecode."""
+    is never modified; the generation hook stops Python from adding bytecode. `folders` False: the files only
+    (the build's bytecode is written into the folders after; a file already sealed is not changed again)."""
     for dirpath, dirnames, filenames in os.walk(env):
         for name in filenames:
             path = os.path.join(dirpath, name)
@@ -41,11 +42,13 @@ def seal(env: Path) -> None:
                 mode = stat.S_IMODE(st.st_mode) & ~0o222 & ~0o7000
                 if mode != stat.S_IMODE(st.st_mode):
                     os.chmod(path, mode)
-        for name in dirnames:
+        for name in dirnames if folders else ():
             path = os.path.join(dirpath, name)
             st = os.lstat(path)
             if stat.S_ISDIR(st.st_mode) and st.st_mode & 0o7022:
                 os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o7022)
+    if not folders:
+        return
     st = os.stat(env)
     if st.st_mode & 0o7022:
         os.chmod(env, stat.S_IMODE(st.st_mode) & ~0o7022)
