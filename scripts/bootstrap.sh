@@ -8,7 +8,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 extras="[controller]"
 [[ "${1:-}" == "--dev" ]] && extras="[dev,controller]"
 python="${PYTHON:-python3}"
-"$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))' || { echo "bootstrap: need Python >= 3.10 ($python)" >&2; exit 2; }
+"$python" -I -c 'import sys; sys.exit(sys.version_info < (3, 10))' || { echo "bootstrap: need Python >= 3.10 ($python)" >&2; exit 2; }
 stamp="$here/.venv/.bwstack-installed$extras"
 if [[ -x "$here/.venv/bin/python" && -f "$stamp" && ! "$here/pyproject.toml" -nt "$stamp" ]]; then
   exit 0
@@ -47,4 +47,4 @@ if [[ -z "${SSL_CERT_FILE:-}" && -f /etc/ssl/certs/ca-certificates.crt ]]; then
 fi
 UV_NO_PROGRESS=1 "$uv" pip install -q --python "$here/.venv/bin/python" -e "$here$extras"
 touch "$stamp"
-echo "bootstrap: .venv ready ($((SECONDS - start)) s; bwstack $("$here/.venv/bin/python" -c 'import importlib.metadata as m; print(m.version("bwstack"))'))" >&2
+echo "bootstrap: .venv ready ($((SECONDS - start)) s; bwstack $("$here/.venv/bin/python" -I -c 'import importlib.metadata as m; print(m.version("bwstack"))'))" >&2

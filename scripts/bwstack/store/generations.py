@@ -422,9 +422,7 @@ class Store:
                     known.update(manifest.known_hashes(gen.manifest_entries(), dev))
             except (OSError, IntegrityError):
                 continue
-        return manifest.build(
-            building, known, skip_top=(MANIFEST, RECORD), earlier=hashed, earlier_until=hashed_until if hashed else 0
-        )
+        return manifest.build(building, known, skip_top=(MANIFEST, RECORD), earlier=hashed, earlier_until=hashed_until)
 
     def commit(
         self,
