@@ -195,6 +195,35 @@ def test_cli_help_lists_every_job():
         assert command in out
 
 
+_LOADED_AFTER = """import runpy, sys
+sys.argv = ["bwstack", *sys.argv[2:]]
+try:
+    runpy.run_module("bwstack", run_name="__main__")
+except SystemExit:
+    pass
+print(sys.modules.get(MODULE) is not None, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("module", ["requests", "bwstack.image.build"])
+def test_a_command_that_downloads_nothing_starts_without_the_http_client_or_the_image_build(stack, module):
+    """requests (urllib3, cookies, charset detection) and the image build are ~0.2 s of every start on a slow
+    machine: only a download or `image build` loads them."""
+    lock = ["--lock", str(stack.lock)]
+    for args in (
+        ["--help"],
+        [*lock, "build", "--profile", "fixture-new", "--wheelhouse", str(stack.wheelhouse)],  # no download
+        [*lock, "generations"],
+        [*lock, "show"],
+    ):
+        run = subprocess.run(
+            [sys.executable, "-c", _LOADED_AFTER.replace("MODULE", repr(module)), "-", *args],
+            capture_output=True, text=True, env={**os.environ, **stack.env},
+        )  # fmt: skip
+        assert run.stderr.strip().splitlines()[-1] == "False", (args, run.stderr[-500:])
+    assert (stack.ml_env / "bin").is_dir()  # the build did build
+
+
 def test_the_checks_listed_are_the_node_checks_pytest_collects_and_nothing_else():
     listed = bwstack("verify", "--list-checks", check=True).stdout.split()
     infra = Path(__file__).resolve().parents[1] / "infra"

@@ -41,6 +41,24 @@ def test_verify_json_has_one_entry_per_host_with_every_check(stack):
     assert "no GPU" in checks["torch_sees_every_gpu"]["message"]
 
 
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"PYTEST_ADDOPTS": "-k nothing_matches_this"},  # would deselect every check
+        {"PYTEST_PLUGINS": "bwstack_no_such_plugin"},  # would stop the session at start
+    ],
+    ids=["addopts", "plugins"],
+)
+def test_the_callers_pytest_settings_do_not_change_the_report(stack, setting):
+    stack.build("fixture-new", check=True)
+    plain = _checks(stack.run("verify", "--no-runtime", "--json"))
+    told = stack.run("verify", "--no-runtime", "--json", extra_env=setting)
+    assert told.returncode == 1, told.stderr  # the fixture's nvcc check fails, as without the setting
+    assert {name: c["outcome"] for name, c in _checks(told).items()} == {
+        name: c["outcome"] for name, c in plain.items()
+    }
+
+
 def test_the_env_is_checked_against_its_own_profile_unless_told_otherwise(stack):
     stack.build("fixture-old", check=True)
     own = _checks(stack.run("verify", "--no-runtime", "--json"))

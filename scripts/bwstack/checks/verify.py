@@ -196,7 +196,7 @@ def _pytest_args(
         str(infra_dir()),
         f"--hosts={spec}",
         f"--stack-lock={lock_path}",
-        "-p", "no:cacheprovider",
+        "-p", "no:cacheprovider", "-p", "testinfra.plugin",
         "-q", "--no-header", "-o", "addopts=",
     ]  # fmt: skip
     if profile:
@@ -225,12 +225,25 @@ def _tools_on_path(workdir: Path):
         beside = Path(sys.executable).parent / name
         if beside.is_file() and not (tools / name).exists():
             (tools / name).symlink_to(beside)
-    old_path = os.environ.get("PATH", "")
-    os.environ["PATH"] = f"{tools}{os.pathsep}{old_path}"
+    old = {name: os.environ.get(name) for name in ("PATH", *_PYTEST_SETTINGS)}
+    os.environ["PATH"] = f"{tools}{os.pathsep}{old['PATH'] or ''}"
+    # The report is the checks' alone: no pytest plugin that happens to be installed beside bwstack (autoloaded
+    # from its entry point) and no PYTEST_ADDOPTS or PYTEST_PLUGINS of the caller's shell joins the session.
+    # testinfra is named in the arguments. (Not loading the other plugins also starts the session sooner.)
+    for name in _PYTEST_SETTINGS:
+        os.environ.pop(name, None)
+    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     try:
         yield
     finally:
-        os.environ["PATH"] = old_path
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+_PYTEST_SETTINGS = ("PYTEST_ADDOPTS", "PYTEST_PLUGINS", "PYTEST_DISABLE_PLUGIN_AUTOLOAD")
 
 
 def require_testinfra() -> None:

@@ -10,7 +10,9 @@
     scan.py     what must never be in an image: CA or secrets in its history, a CA copied into a layer
     verify.py   `image verify`: tests/infra's node and image checks against a container of the image
     bench.py    `image bench-rebuild`: clean build, then an app-only bump on its cache
-    cli.py      the `bwstack image` command line
+    (the `bwstack image` command line is bwstack.cli.commands.image)
 
 docker/ (the Dockerfile and its step script) ships with the package as `bwstack_docker`.
 """
+
+DEFAULT_BUILD_PORT = 0  # any free port: the address reaches the build in http_proxy, outside the cache key

@@ -32,10 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bwstack.errors import BwstackError, UsageError
-from bwstack.image import context, daemon, labels, server, tool, wheels
+from bwstack.image import DEFAULT_BUILD_PORT, context, daemon, labels, server, tool, wheels
 from bwstack.terminal import visible
-
-DEFAULT_BUILD_PORT = 0  # any free port: the address reaches the build in http_proxy, outside the cache key
 
 Log = Callable[[str], None]
 

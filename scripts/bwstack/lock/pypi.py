@@ -9,12 +9,15 @@ import zlib
 from dataclasses import dataclass
 from datetime import datetime
 from html.parser import HTMLParser
-from urllib.parse import urljoin, urlsplit
+from typing import TYPE_CHECKING
+from urllib.parse import unquote, urljoin, urlsplit
 
-import requests
 from packaging.utils import canonicalize_name
 
 from bwstack.errors import BwstackError
+
+if TYPE_CHECKING:  # requests (and urllib3, http.cookiejar, charset_normalizer) is imported when a session is
+    import requests  # made: a command that downloads nothing starts ~0.2 s sooner without it
 
 SIMPLE_JSON = "application/vnd.pypi.simple.v1+json"
 TIMEOUT = (15, 120)
@@ -31,6 +34,8 @@ class IndexFile:
 
 def session() -> requests.Session:
     """One HTTP session; TLS is always verified (REQUESTS_CA_BUNDLE / --ca-bundle pick the CA)."""
+    import requests
+
     s = requests.Session()
     s.headers["User-Agent"] = "bwstack (+https://github.com/) requests"
     adapter = requests.adapters.HTTPAdapter(pool_connections=32, pool_maxsize=32, max_retries=3)
@@ -58,6 +63,8 @@ def _parse_time(text: str | None) -> datetime | None:
 
 def project_files(http: requests.Session, index_url: str, project: str) -> list[IndexFile]:
     """Files an index lists for a project (JSON form when offered, else PEP 503 HTML)."""
+    import requests
+
     url = f"{index_url.rstrip('/')}/{canonicalize_name(project)}/"
     try:
         response = http.get(url, headers={"Accept": f"{SIMPLE_JSON}, text/html;q=0.1"}, timeout=TIMEOUT)
@@ -88,7 +95,7 @@ def project_files(http: requests.Session, index_url: str, project: str) -> list[
         path, _, fragment = full.partition("#")
         sha = fragment[len("sha256=") :] if fragment.startswith("sha256=") else None
         filename = urlsplit(path).path.rsplit("/", 1)[-1]
-        filename = requests.utils.unquote(filename)
+        filename = unquote(filename)
         out.append(IndexFile(filename, path, sha, None, attrs.get("data-yanked") is not None))
     return out
 

@@ -20,13 +20,12 @@ import hashlib
 import os
 import secrets
 import stat
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
-
-import requests
+from typing import TYPE_CHECKING, BinaryIO
 
 from bwstack.errors import BwstackError, HashMismatchError, UsageError
 from bwstack.fsutil import free_bytes
@@ -35,6 +34,9 @@ from bwstack.lock.model import LockedPackage, Wheel
 from bwstack.probe import dirfd
 from bwstack.probe.treecheck import sha256_file
 from bwstack.provision.progress import DownloadProgress
+
+if TYPE_CHECKING:
+    import requests  # imported by pypi.session(), when the first download needs it
 
 CHUNK = 1 << 20
 DISK_MARGIN = 512 << 20
@@ -177,10 +179,20 @@ class Fetcher:
         # The profile's other part (its CUDA toolkit for an env build, its env for a toolkit install): a provision
         # run hands one --allow-unhashed list to both, so a name of the other part is no error here.
         self.elsewhere = set(elsewhere)
-        self.http = http or pypi.session()
+        self._http = http
+        self._http_made = threading.Lock()
         self.log = log
         self.rehash_store = rehash_store
         self.progress = progress or DownloadProgress()
+
+    @property
+    def http(self) -> requests.Session:
+        """The HTTP session, made at the first download: a fetch from wheelhouses and the store needs none.
+        Downloads run in threads: one lock, so they share one session (and its connection pool)."""
+        with self._http_made:
+            if self._http is None:
+                self._http = pypi.session()
+            return self._http
 
     def fetch_all(self, selection: Mapping[str, tuple[LockedPackage, Wheel]]) -> dict[str, LocalWheel]:
         unknown = self.allow_unhashed - set(selection) - self.elsewhere
@@ -334,6 +346,8 @@ class Fetcher:
 
     def _download(self, pkg: LockedPackage, wheel: Wheel, url: str) -> Iterator[bytes]:
         """The wheel's bytes from url, as they arrive (progress counted, free disk checked first)."""
+        import requests
+
         try:
             with self.http.get(url, stream=True, timeout=pypi.TIMEOUT) as response:
                 if not response.ok:

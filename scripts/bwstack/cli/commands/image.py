@@ -63,7 +63,7 @@ def _gpus(text: str) -> str:
 
 
 def _build_flags(p: argparse.ArgumentParser) -> None:
-    from bwstack.image.build import DEFAULT_BUILD_PORT
+    from bwstack.image import DEFAULT_BUILD_PORT  # not image.build: --help and every other command start without it
 
     options.add_profile(p)
     options.add_sources(
