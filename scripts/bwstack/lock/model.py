@@ -469,13 +469,16 @@ def _kind(value: Any) -> str:
     return type(value).__name__
 
 
+_SPACE_OR_CONTROL = re.compile(r"[\x00-\x20\x7f]")
+
+
 def _https_url(node: _Node, key: str) -> str:
     url = node.str(key)
     if not url.startswith("https://"):
         node.fail(f"{shown(url)} must be an https:// URL (TLS is always verified)", key)
     # A URL is written into requirement files and handed to uv and pip: a space, a newline or another control
     # character would end it there and start an option or a line of the lock's choosing.
-    if any(ord(c) <= 0x20 or ord(c) == 0x7F for c in url):
+    if _SPACE_OR_CONTROL.search(url):
         node.fail(f"{shown(url)} holds a space or a control character (percent-encode it)", key)
     try:
         host = urlsplit(url).hostname

@@ -114,7 +114,8 @@ def _parse_patch(patch_id: str, node: dict) -> Patch:
 @cache
 def _catalogue() -> dict:
     text = resources.files("bwstack.data").joinpath("patches.yaml").read_text(encoding="utf-8")
-    return yaml.safe_load(text)["patches"]
+    # The package's own file, read at every lock load: libyaml's loader where PyYAML has it (3x the pure one).
+    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))["patches"]
 
 
 @cache
