@@ -81,6 +81,7 @@ def pytest_collection_modifyitems(config, items):
     taken by the time their turn came, and when the node's flow runs, the local real playbook run it covers
     skips itself (helpers.REAL_PLAYBOOK_RUN) instead of taking four more minutes of CI."""
     items.sort(key=lambda item: 0 if item.path.name == "test_remote_node.py" else 1)  # stable: the rest keep order
+    _check_disk_heavy_files(items)
     choice = os.environ.get("BWSTACK_SLOW", "auto")
     if choice == "1":
         return
@@ -98,6 +99,53 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+# Under pytest-xdist (`-n`, README's test command), these files share one worker and run there one at a time, in
+# the order above: they take the real env (one build per worker that needs it, 10 GB) or build images, and run
+# as they would without workers, so the disk they need is what SLOW_TIER_MIN_FREE_GIB was measured for. Every
+# other file goes to a worker whole (a module's fixture, such as the Ansible flow's node, is made once; the cases
+# of test_cli_json run in their order). _check_disk_heavy_files keeps the list complete.
+DISK_HEAVY_FILES = frozenset(
+    {
+        "test_remote_node.py",
+        "test_ansible_real.py",
+        "test_real_stack.py",
+        "test_serveplan_truth.py",
+        "test_accept_runtime.py",
+        "test_elfscan.py",
+        "test_fatbin.py",
+        "test_image.py",
+    }
+)
+
+
+def _check_disk_heavy_files(items) -> None:
+    strays = sorted(
+        {
+            item.path.name
+            for item in items
+            if ("slow" in item.keywords or "real" in getattr(item, "fixturenames", ()))
+            and item.path.name not in DISK_HEAVY_FILES
+        }
+    )
+    if strays:
+        raise pytest.UsageError(f"tests/unit/conftest.py: add {', '.join(strays)} to DISK_HEAVY_FILES (slow tests)")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`-n` alone (xdist's `load`): whole files to workers, the disk-heavy ones to one worker."""
+    if config.getvalue("dist") != "load":
+        return None  # a --dist the caller chose
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return "disk-heavy" if Path(file).name in DISK_HEAVY_FILES else file
+
+    return ByFile(config, log)
 
 
 @pytest.fixture(scope="session")
