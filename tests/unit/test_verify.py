@@ -11,7 +11,7 @@ import time
 
 import pytest
 import yaml
-from helpers import bwstack, needs_py312
+from helpers import REPO, bwstack, needs_py312
 
 from bwstack.image import daemon as docker_daemon
 
@@ -57,6 +57,24 @@ def test_the_callers_pytest_settings_do_not_change_the_report(stack, setting):
     assert {name: c["outcome"] for name, c in _checks(told).items()} == {
         name: c["outcome"] for name, c in plain.items()
     }
+
+
+def test_an_ini_file_or_conftest_in_a_folder_above_the_installed_checks_does_not_change_the_report(stack, tmp_path):
+    """Where bwstack is installed, the folders above its checks are not its own: their pytest.ini (any ini file
+    pytest reads) and conftest.py must not reach the session."""
+    stack.build("fixture-new", check=True)
+    plain = _checks(stack.run("verify", "--no-runtime", "--json"))
+    above = tmp_path / "above"
+    shutil.copytree(REPO / "tests" / "infra", above / "site" / "bwstack_infra")
+    (above / "pytest.ini").write_text("[pytest]\npython_functions = nothing_matches_this\naddopts = -k nothing\n")
+    loaded = tmp_path / "conftest-ran"
+    (above / "conftest.py").write_text(f"open({str(loaded)!r}, 'w').close()\n")
+    told = stack.run("verify", "--no-runtime", "--json", extra_env={"PYTHONPATH": str(above / "site")})
+    assert told.returncode == 1, told.stderr
+    assert {name: c["outcome"] for name, c in _checks(told).items()} == {
+        name: c["outcome"] for name, c in plain.items()
+    }
+    assert not loaded.exists()
 
 
 def test_the_env_is_checked_against_its_own_profile_unless_told_otherwise(stack):

@@ -192,12 +192,18 @@ def _pytest_args(
     skip: Sequence[str],
     extra_args: Sequence[str],
 ) -> list[str]:
+    infra = infra_dir()
+    # The session is the checks' alone. `-c /dev/null`: no ini file (pytest.ini, tox.ini, setup.cfg, pyproject.toml)
+    # of a folder above the checks' sets an option, a plugin or a filter; --confcutdir: no conftest.py above them
+    # is loaded. --color=no and -W default: the caller's PY_COLORS/PYTEST_THEME cannot end the session while it
+    # renders a failure, nor PYTHONWARNINGS=error turn a warning into a failed check.
     args = [
-        str(infra_dir()),
+        str(infra),
         f"--hosts={spec}",
         f"--stack-lock={lock_path}",
+        "-c", os.devnull, f"--rootdir={infra}", f"--confcutdir={infra}",
         "-p", "no:cacheprovider", "-p", "testinfra.plugin",
-        "-q", "--no-header", "-o", "addopts=",
+        "-q", "--no-header", "--color=no", "-W", "default",
     ]  # fmt: skip
     if profile:
         args.append(f"--stack-profile={profile}")
@@ -226,14 +232,16 @@ def _tools_on_path(workdir: Path):
         if beside.is_file() and not (tools / name).exists():
             (tools / name).symlink_to(beside)
     old = {name: os.environ.get(name) for name in ("PATH", *_PYTEST_SETTINGS)}
-    os.environ["PATH"] = f"{tools}{os.pathsep}{old['PATH'] or ''}"
-    # The report is the checks' alone: no pytest plugin that happens to be installed beside bwstack (autoloaded
-    # from its entry point) and no PYTEST_ADDOPTS or PYTEST_PLUGINS of the caller's shell joins the session.
-    # testinfra is named in the arguments. (Not loading the other plugins also starts the session sooner.)
-    for name in _PYTEST_SETTINGS:
-        os.environ.pop(name, None)
-    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     try:
+        # An empty entry of PATH is the working folder: none is added (an unset PATH is the system's default).
+        kept = [entry for entry in (old["PATH"] or os.defpath).split(os.pathsep) if entry]
+        os.environ["PATH"] = os.pathsep.join([str(tools), *kept])
+        # The report is the checks' alone: no pytest plugin that happens to be installed beside bwstack
+        # (autoloaded from its entry point) and no PYTEST_ADDOPTS or PYTEST_PLUGINS of the caller's shell joins
+        # the session; testinfra is named in the arguments. (Not loading the others also starts it sooner.)
+        for name in _PYTEST_SETTINGS:
+            os.environ.pop(name, None)
+        os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
         yield
     finally:
         for name, value in old.items():
