@@ -201,7 +201,7 @@ try:
     runpy.run_module("bwstack", run_name="__main__")
 except SystemExit:
     pass
-print(sys.modules.get(MODULE) is not None, file=sys.stderr)
+print(MODULE in sys.modules, file=sys.stderr)
 """
 
 

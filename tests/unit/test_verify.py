@@ -24,6 +24,10 @@ def _checks(result) -> dict:
     return {c["check"]: c for c in host["checks"]}
 
 
+def _outcomes(result) -> dict[str, str]:
+    return {name: c["outcome"] for name, c in _checks(result).items()}
+
+
 def test_verify_reports_a_table_and_fails_when_a_check_fails(stack):
     stack.build("fixture-new", check=True)
     result = stack.run("verify", "--no-runtime")
@@ -51,19 +55,17 @@ def test_verify_json_has_one_entry_per_host_with_every_check(stack):
 )
 def test_the_callers_pytest_settings_do_not_change_the_report(stack, setting):
     stack.build("fixture-new", check=True)
-    plain = _checks(stack.run("verify", "--no-runtime", "--json"))
+    plain = _outcomes(stack.run("verify", "--no-runtime", "--json"))
     told = stack.run("verify", "--no-runtime", "--json", extra_env=setting)
     assert told.returncode == 1, told.stderr  # the fixture's nvcc check fails, as without the setting
-    assert {name: c["outcome"] for name, c in _checks(told).items()} == {
-        name: c["outcome"] for name, c in plain.items()
-    }
+    assert _outcomes(told) == plain
 
 
 def test_an_ini_file_or_conftest_in_a_folder_above_the_installed_checks_does_not_change_the_report(stack, tmp_path):
     """Where bwstack is installed, the folders above its checks are not its own: their pytest.ini (any ini file
     pytest reads) and conftest.py must not reach the session."""
     stack.build("fixture-new", check=True)
-    plain = _checks(stack.run("verify", "--no-runtime", "--json"))
+    plain = _outcomes(stack.run("verify", "--no-runtime", "--json"))
     above = tmp_path / "above"
     shutil.copytree(REPO / "tests" / "infra", above / "site" / "bwstack_infra")
     (above / "pytest.ini").write_text("[pytest]\npython_functions = nothing_matches_this\naddopts = -k nothing\n")
@@ -71,9 +73,7 @@ def test_an_ini_file_or_conftest_in_a_folder_above_the_installed_checks_does_not
     (above / "conftest.py").write_text(f"open({str(loaded)!r}, 'w').close()\n")
     told = stack.run("verify", "--no-runtime", "--json", extra_env={"PYTHONPATH": str(above / "site")})
     assert told.returncode == 1, told.stderr
-    assert {name: c["outcome"] for name, c in _checks(told).items()} == {
-        name: c["outcome"] for name, c in plain.items()
-    }
+    assert _outcomes(told) == plain
     assert not loaded.exists()
 
 

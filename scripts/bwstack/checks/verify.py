@@ -221,10 +221,11 @@ def _pytest_args(
 
 
 @contextlib.contextmanager
-def _tools_on_path(workdir: Path):
-    """testinfra's ansible backend runs ansible-inventory: the one installed beside this interpreter. Only
-    Ansible's commands are put on PATH (links in a directory of our own): a local:// host keeps its own PATH
-    (whether it has python3, say)."""
+def _checks_environment(workdir: Path):
+    """The environment while the checks run, put back after. testinfra's ansible backend runs ansible-inventory:
+    the one installed beside this interpreter. Only Ansible's commands are put on PATH (links in a directory of
+    our own): a local:// host keeps its own PATH (whether it has python3, say). And pytest's own settings of the
+    caller's shell are set aside (below)."""
     tools = workdir / "bin"
     tools.mkdir(exist_ok=True)
     for name in ("ansible", "ansible-inventory"):
@@ -430,7 +431,7 @@ def check_hosts(
         skip=list(skip), extra_args=list(extra_args),
     )  # fmt: skip
     reports: list[HostReport] = []
-    with tempfile.TemporaryDirectory(prefix="bwstack-verify-") as tmp, _tools_on_path(Path(tmp)):
+    with tempfile.TemporaryDirectory(prefix="bwstack-verify-") as tmp, _checks_environment(Path(tmp)):
         hosts = [h for t in targets for h in _hosts_of(t, ssh, Path(tmp), host_name)]
         seen: set[str] = set()
         for host in hosts:
@@ -459,7 +460,7 @@ def run_checks(
     (default: the spec); a host that cannot be checked is one BwstackError line."""
     require_testinfra()
     label = label or (target.removesuffix("://") if target.startswith("local://") else target)
-    with tempfile.TemporaryDirectory(prefix="bwstack-verify-") as tmp, _tools_on_path(Path(tmp)):
+    with tempfile.TemporaryDirectory(prefix="bwstack-verify-") as tmp, _checks_environment(Path(tmp)):
         report = _run_host(
             _Host(label, target), env, lock_path=lock_path, profile=profile, capability=capability, runtime=runtime,
             facts_dir=facts_dir, skip=skip or [], extra_args=extra_args or [],
