@@ -261,6 +261,20 @@ def test_bench_refuses_bad_input_before_measuring_anything(args, says, tmp_path)
     assert not (tmp_path / "work").exists() or not any((tmp_path / "work").iterdir())
 
 
+@needs_py312
+def test_bench_exits_non_zero_naming_a_figure_it_could_not_measure(tmp_path):
+    """A table with a row that failed or did not run is not a result: a script running the benches must see it.
+    P6 cannot run without a Docker daemon (here: one at a socket that does not exist)."""
+    result = bwstack(
+        "--lock", str(REAL_LOCK), "bench", "--quick", "--only", "P6", "--work", str(tmp_path / "work"),
+        env={"DOCKER_HOST": f"unix://{tmp_path}/no-daemon.sock"},
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert "| P6 | image rebuild after an sglang bump (NOT RUN) |" in result.stdout
+    assert "bwstack bench: not measured: P6 image rebuild after an sglang bump (not run)" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def _made_by_another_user(work: Path) -> None:
     work.mkdir(mode=0o777)
     os.chown(work, OTHER_UID, OTHER_UID)

@@ -93,7 +93,7 @@ def test_one_line_per_phase_with_its_time_and_the_builds_own_phases():
     text = "\n".join(" ".join(line.split()) for line in lines)
     assert "preflight 3.0 s (2 tasks)" in text
     assert "fetch 15.0 s (4.8 GB downloaded at 320.0 MB/s)" in text
-    assert "verify 4.0 s (1 tasks)" in text
+    assert "verify 4.0 s (1 task)" in text
     # Overhead: the 50.5 s run less the time of the work itself: preflight's command 1.5, tool 2.5 (no
     # command: its wall time), the build's own 38, verify's command 3.
     assert "Ansible overhead 5.5 s" in text
@@ -142,7 +142,7 @@ def test_a_converged_node_shows_its_check_as_a_phase_and_the_roles_it_skipped():
     assert "converged check 1.5 s (3 tasks)" in text
     assert "localhost: converged (provisioned from these inputs; 0003-cu128-abc ...): ... verify runs" in text
     assert "preflight 0.0 s (2 tasks, all skipped)" in text
-    assert "verify 2.0 s (1 tasks)" in text
+    assert "verify 2.0 s (1 task)" in text
 
 
 def test_a_converged_build_says_so_in_one_line():

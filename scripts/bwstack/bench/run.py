@@ -32,6 +32,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 
 import yaml
@@ -76,6 +77,15 @@ def _drop_page_cache() -> None:
         pass
 
 
+class Outcome(Enum):
+    """Whether a figure measured what it names. A figure that failed or did not run says why in its note, and
+    makes `bwstack bench` exit non-zero: a table with a missing or failed row is not a result."""
+
+    MEASURED = "measured"
+    FAILED = "failed"  # the timed command (or its anchor) failed: the seconds are not those of a working run
+    NOT_RUN = "not run"  # it could not start here (no checkout, no Docker, a generation left changed)
+
+
 @dataclass
 class Figure:
     bench: str
@@ -86,6 +96,7 @@ class Figure:
     anchor_runs: list[float] = field(default_factory=list)
     goal: str = ""
     note: str = ""
+    outcome: Outcome = Outcome.MEASURED
 
     @property
     def median(self) -> float:
@@ -97,8 +108,21 @@ class Figure:
             return None
         return statistics.median(self.anchor_runs) / self.median
 
+    @classmethod
+    def not_run(cls, bench: str, what: str, why: str) -> Figure:
+        return cls(bench, what, [], note=f"not run: {why}", outcome=Outcome.NOT_RUN)
+
+    @classmethod
+    def failed(cls, bench: str, what: str, runs: list[float], why: str) -> Figure:
+        return cls(bench, what, runs, note=f"FAILED: {why}", outcome=Outcome.FAILED)
+
     def as_dict(self) -> dict:
-        return {**self.__dict__, "median": self.median, "ratio": self.ratio}
+        return {**self.__dict__, "outcome": self.outcome.value, "median": self.median, "ratio": self.ratio}
+
+
+def unmeasured(figures: list[Figure]) -> list[Figure]:
+    """The figures that failed or did not run."""
+    return [f for f in figures if f.outcome is not Outcome.MEASURED]
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -127,8 +151,9 @@ def render(figures: list[Figure]) -> str:
         # Two decimals, rounded down: the goals are ratios like 0.5, and 0.46 shown as "0.5x" (or 0.496 as "0.50x")
         # read as met.
         ratio = f"{math.floor(f.ratio * 100) / 100:.2f}x" if f.ratio is not None else "-"
+        what = f.what if f.outcome is Outcome.MEASURED else f"{f.what} ({f.outcome.value.upper()})"
         lines.append(
-            f"| {f.bench} | {f.what} | {_fmt(f.runs, f.unit)} | {f.anchor or '-'} | {_fmt(f.anchor_runs, f.unit)} | "
+            f"| {f.bench} | {what} | {_fmt(f.runs, f.unit)} | {f.anchor or '-'} | {_fmt(f.anchor_runs, f.unit)} | "
             f"{ratio} | {f.goal or '-'} |"
         )
     notes = [f"- {f.bench} {f.what}: {f.note}" for f in figures if f.note]
@@ -340,7 +365,7 @@ class Bench:
         first = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if first.returncode != 0:
             tail = " ".join(first.stdout.strip().splitlines()[-3:])[-300:]
-            return [Figure("P4", "converged provision re-run", [], note=f"not run: the first provision failed: {tail}")]
+            return [Figure.not_run("P4", "converged provision re-run", f"the first provision failed: {tail}")]
         figures = []
         # The re-run as a user runs it (the converged fast path: bwstack receipt, then verify), then with
         # --full, every role run again (what the fast path saves).
@@ -348,16 +373,21 @@ class Bench:
             ("converged provision re-run (this host)", [], "<= 12 s, changed=0"),
             ("the same with --full (every role runs)", ["--full"], "changed=0"),
         ):
-            runs, changed, last = [], [], ""
+            runs, changed, codes, last = [], [], [], ""
             for _ in range(self.runs):
                 started = time.perf_counter()
                 again = subprocess.run([*cmd, *extra], capture_output=True, text=True, env=env)
                 runs.append(time.perf_counter() - started)
                 changed += [int(c) for c in re.findall(r"changed=(\d+)", again.stdout)]
+                codes.append(again.returncode)
                 last = again.stdout
             note = f"changed= per run: {changed}" + ("" if not any(changed) else " (NOT converged)")
+            if any(codes):
+                note += f"; exit codes {codes}: {' '.join(last.strip().splitlines()[-3:])[-300:]}"
             note += f"; phases of the last run: {_phase_summary(last)}"
-            figures.append(Figure("P4", label, runs, goal=goal, note=note))
+            # A re-run that changed something or failed timed another command than a converged one.
+            outcome = Outcome.FAILED if any(changed) or any(codes) else Outcome.MEASURED
+            figures.append(Figure("P4", label, runs, goal=goal, note=note, outcome=outcome))
         return figures
 
     def verify_cmd(self, env: Path) -> list[str]:
@@ -374,17 +404,31 @@ class Bench:
             fetcher = Fetcher(self.cache / "wheels", Sources(), log=lambda m: None)
             cudatk.install_pip(self.profile, fetcher, cache_dir=self.cache / "uv", log=lambda m: None)
         gen = store.active()
-        assert gen is not None
+        if gen is None or gen.profile != "bench":
+            # The patched generation, as a provisioned node has it (P2 leaves either active): verified against the
+            # profile it was not built from, a check fails in every run, and the figures would time the verify of
+            # a failing node.
+            patched = next(g for g in store.generations() if g.profile == "bench")
+            build.rollback(self.lock, store.layout, to=patched.name, log=lambda m: None)
+            gen = store.active()
+            assert gen is not None
         if sealed.unchanged_generation(gen.env) is not None:
             # Left changed by an interrupted run (or by hand): back to its manifest, or the "unchanged" row would
             # time cold verifies.
             left = store.repair(gen)
             why = "; ".join(str(p) for p in left[:3]) or sealed.unchanged_generation(gen.env)
             if why:
-                return [Figure("P5", "verify of a sealed generation", [], note=f"not run: {gen.name}: {why}")]
+                return [Figure.not_run("P5", "verify of a sealed generation", f"{gen.name}: {why}")]
         cmd = self.verify_cmd(env)
-        subprocess.run(cmd, capture_output=True, text=True)  # the first verify of a generation records its results
-        warm = [_timed(lambda: subprocess.run(cmd, capture_output=True, text=True)) for _ in range(self.runs)]
+        codes: dict[str, list[int]] = {"first": [], "warm": [], "touched": [], "cold": [], "forgotten": []}
+
+        def verify(kind: str) -> float:
+            started = time.perf_counter()
+            codes[kind].append(subprocess.run(cmd, capture_output=True, text=True).returncode)
+            return time.perf_counter() - started
+
+        verify("first")  # the first verify of a generation records its results
+        warm = [verify("warm") for _ in range(self.runs)]
         site = next(gen.env.glob("lib/python3.*/site-packages"))
         # torch/version.py: every import check and SGLang's planner import it.
         changed = next(site.glob("torch/version.py"), None) or next(p for p in site.rglob("*.py") if p.is_file())
@@ -397,20 +441,17 @@ class Bench:
             tmp.write_bytes(original + f"# bwstack bench: {note}\n".encode())
             os.replace(tmp, changed)
 
-        touched, cold, reasons = [], [], []
+        touched, cold = [], []
         for i in range(self.runs):
             # The mtime moved, the bytes as sealed (a `touch`): the tree is compared with the manifest, the moved
             # file hashed, and the recorded facts kept.
             os.utime(changed, ns=(time.time_ns(), time.time_ns() + i))
-            touched.append(_timed(lambda: subprocess.run(cmd, capture_output=True, text=True)))
+            touched.append(verify("touched"))
         for i in range(self.runs):
             # Every fact is read from the files again, the imports and SGLang's plans (and the fix search's) run
             # again.
             other_bytes(f"cold run {i}")
-            started = time.perf_counter()
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            cold.append(time.perf_counter() - started)
-            reasons.append(done.returncode)
+            cold.append(verify("cold"))
         forgotten = []
         for i in range(self.runs):
             # The same, with nothing remembered of earlier verifies (the store's verify cache of this generation
@@ -419,23 +460,32 @@ class Bench:
             cache = sealed.derived_cache(gen.env)
             if cache is not None:
                 cache.unlink(missing_ok=True)
-            forgotten.append(_timed(lambda: subprocess.run(cmd, capture_output=True, text=True)))
+            forgotten.append(verify("forgotten"))
         store.repair(gen)  # back to its manifest (the bench's scratch store)
+
+        def outcome(kind: str, note: str) -> dict:
+            """A verify that failed (a check, or the command) timed something other than a working env's verify."""
+            failed = [c for c in codes["first"] + codes[kind] if c]
+            if not failed:
+                return {"note": note}
+            return {"note": f"{note}; exit codes {codes['first'] + codes[kind]}", "outcome": Outcome.FAILED}
+
         return [
             Figure("P5", "verify, unchanged sealed generation (whole command)", warm, goal="<= 2 s",
-                   note="static facts recorded at build time, import and serve-plan results of the last run reused "
-                        "after the generation's tree and the host were found unchanged"),
+                   **outcome("warm", "static facts recorded at build time, import and serve-plan results of the "
+                                     "last run reused after the generation's tree and the host were found unchanged")),
             Figure("P5", "verify, a file's mtime moved, its bytes as sealed (whole command)", touched,
-                   note="the tree compared with the manifest and the moved file hashed; the recorded facts and "
-                        "results reused"),
+                   **outcome("touched", "the tree compared with the manifest and the moved file hashed; the "
+                                        "recorded facts and results reused")),
             Figure("P5", "verify, generation changed after sealing (cold, whole command)", cold, goal="<= 8 s",
-                   note=f"{changed.relative_to(site)} given other bytes before each run: every fact read from the "
-                        f"files, the imports and SGLang's serve plans run again (the fix search's extra plans "
-                        f"beside the model's, as the last verify's fix search asked for them); exit codes {reasons}"),
+                   **outcome("cold", f"{changed.relative_to(site)} given other bytes before each run: every fact "
+                                     f"read from the files, the imports and SGLang's serve plans run again (the fix "
+                                     f"search's extra plans beside the model's, as the last verify's fix search "
+                                     f"asked for them)")),
             Figure("P5", "the same, nothing remembered of earlier verifies (cold, whole command)", forgotten,
                    goal="<= 8 s",
-                   note="the generation's verify cache removed before each run: the fix search starts SGLang "
-                        "again for its candidates"),
+                   **outcome("forgotten", "the generation's verify cache removed before each run: the fix search "
+                                          "starts SGLang again for its candidates")),
         ]  # fmt: skip
 
     def p7(self) -> list[Figure]:
@@ -445,7 +495,7 @@ class Bench:
         base.mkdir(parents=True)
         source = paths.checkout()
         if source is None:
-            return [Figure("P7", "fresh node", [], note="not run: bwstack is not running from a checkout")]
+            return [Figure.not_run("P7", "fresh node", "bwstack is not running from a checkout")]
         clone = base / "clone"
         subprocess.run(["git", "clone", "-q", str(source), str(clone)], check=True)
         toolkit = Path(self.profile.cuda.home)
@@ -466,7 +516,7 @@ class Bench:
         ours = time.perf_counter() - started
         if fresh.returncode != 0:
             tail = " ".join(fresh.stdout.strip().splitlines()[-4:])[-400:]
-            return [Figure("P7", "fresh node: README's first command", [ours], note=f"FAILED: {tail}")]
+            return [Figure.failed("P7", "fresh node: README's first command", [ours], tail)]
         # The anchor: the same closure installed by uv from an empty cache (PyPI), then `bwstack verify` alone.
         venv = base / "uv-venv"
         uv_cache = base / "uv-cold-cache"
@@ -482,7 +532,7 @@ class Bench:
         uv_seconds = _timed(lambda: installed.append(run_uv(install, env=uv, capture=True)))
         if installed[0].returncode != 0:
             tail = installed[0].stderr.strip()[-300:]
-            return [Figure("P7", "fresh node: README's first command", [ours], note=f"anchor FAILED: uv: {tail}")]
+            return [Figure.failed("P7", "fresh node: README's first command", [ours], f"the anchor's uv: {tail}")]
         # "bwstack verify alone" verifies what uv installed: a cold verify, nothing of it known before (no store,
         # no bytecode). The provisioned env's verify (warm: its first verify ran inside the command) is kept as
         # the anchor the figures before stop 28 used.
@@ -506,7 +556,9 @@ class Bench:
                         f"{(uv_seconds + warm_seconds) / ours:.2f}; "
                         f"phases: {phases}"),
             Figure("P7", "the same command again (converged)", [_phase_total(again.stdout)],
-                   note=f"phases: {_phase_summary(again.stdout)}"),
+                   note=f"phases: {_phase_summary(again.stdout)}" + (f"; exit {again.returncode}: "
+                        f"{' '.join(again.stdout.strip().splitlines()[-3:])[-300:]}" if again.returncode else ""),
+                   outcome=Outcome.FAILED if again.returncode else Outcome.MEASURED),
         ]  # fmt: skip
 
     def p6(self) -> list[Figure]:
@@ -522,7 +574,7 @@ class Bench:
                 result = bench.bench_rebuild(str(self.lock_path), str(bumped), "bench", opts=opts, log=lambda m: None,
                                              out=lambda m: None)  # fmt: skip
         except Exception as exc:  # no daemon or base image: the table says so
-            return [Figure("P6", "image rebuild after an sglang bump", [], note=f"not run: {exc}")]
+            return [Figure.not_run("P6", "image rebuild after an sglang bump", str(exc))]
         note = (
             f"base {base}; changed layers {list(result.changed_layers)}; {len(result.rebuilt_run_steps)} RUN steps "
             f"rebuilt, {result.cached_steps} of {result.steps} steps from cache; one run each"

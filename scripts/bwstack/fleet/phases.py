@@ -207,7 +207,8 @@ class PhaseReport:
         skipped = (
             ", all skipped" if phase.skipped >= phase.tasks else f", {phase.skipped} skipped" if phase.skipped else ""
         )
-        self.emit(f"  {name:<17} {_fmt(phase.seconds):>8}  ({phase.tasks} tasks{changed}{skipped})")
+        tasks = f"{phase.tasks} task{'' if phase.tasks == 1 else 's'}"
+        self.emit(f"  {name:<17} {_fmt(phase.seconds):>8}  ({tasks}{changed}{skipped})")
 
     def _work(self, phase: Phase) -> float:
         """The time a phase's own work took: the build's own total, a command's run time, else the wall time."""

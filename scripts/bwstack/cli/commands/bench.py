@@ -80,4 +80,9 @@ def run(args: argparse.Namespace) -> int:
         return header + "\n\n" + bench.render(figures)
 
     console.result([f.as_dict() for f in figures], text)
+    missing = bench.unmeasured(figures)
+    if missing:
+        names = "; ".join(f"{f.bench} {f.what} ({f.outcome.value})" for f in missing)
+        console.note(f"bwstack bench: not measured: {names} (the notes below the table say why)")
+        return 1
     return 0
