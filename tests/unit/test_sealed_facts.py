@@ -15,7 +15,7 @@ import pytest
 from helpers import needs_py312
 
 from bwstack.probe import main as probe
-from bwstack.probe import sealed
+from bwstack.probe import sealed, treecheck
 from bwstack.probe.treecheck import sha256_file
 from bwstack.store import manifest
 from bwstack.store.generations import Store
@@ -151,6 +151,7 @@ def test_a_content_check_that_found_the_sealed_bytes_is_remembered_until_the_tre
         raise AssertionError("the same tree was compared with its manifest again")
 
     monkeypatch.setattr(sealed.treecheck, "compared", compared_again)
+    monkeypatch.setattr(sealed.treecheck, "compared_listing", compared_again)
     assert sealed.unchanged_generation(built.ml_env) is None
     _touch(gen)  # moved again: the remembered check no longer describes this tree
     with pytest.raises(AssertionError, match="compared with its manifest again"):
@@ -202,6 +203,7 @@ def test_a_later_hard_link_to_a_sealed_file_is_compared_once_then_the_verify_is_
         raise AssertionError("the same tree was compared with its manifest again")
 
     monkeypatch.setattr(sealed.treecheck, "compared", compared_again)
+    monkeypatch.setattr(sealed.treecheck, "compared_listing", compared_again)
     assert sealed.unchanged_generation(built.ml_env) is None
 
 
@@ -286,6 +288,45 @@ def test_after_the_quick_digest_moved_every_kind_of_change_is_still_found(built,
     tamper(gen)
     why = sealed.unchanged_generation(built.ml_env)
     assert why is not None and what in why, why
+
+
+def _nothing(gen: Path) -> None:
+    pass
+
+
+@needs_py312
+@pytest.mark.parametrize(
+    "tamper",
+    [_nothing, _touch, _append, _replace, _add_file, _chmod, _retarget_link, _remove, _fifo, _chown],
+    ids=["unchanged", "touched", "bytes-appended", "file-replaced-same-mtime", "file-added", "mode-changed",
+         "link-retargeted", "file-removed", "fifo-added", "owner-changed"],
+)  # fmt: skip
+def test_the_comparison_read_from_the_stamps_own_walk_finds_what_a_second_walk_finds(built, tamper):
+    """verify compares a moved tree with its manifest from the listing the stamp's find walk printed, instead of
+    walking it again with lstat: both must name the same paths for the same reasons."""
+    gen = _generation(built)
+    tamper(gen)
+    env, rows, before = gen / "env", sealed._manifest_rows_under_env(gen), sealed.hashed_before(gen)
+    listing = sealed.generation_stamp(env, keep=True).listing
+    assert listing is not None
+    from_listing = treecheck.compared_listing(env, rows, listing, changed_since=before)
+    walked = treecheck.compared(env, rows, changed_since=before)
+    assert from_listing == walked
+    assert bool(walked.found) == (tamper not in (_nothing, _touch)), walked.found
+
+
+@pytest.mark.parametrize(
+    "listing",
+    [
+        treecheck.Listing(b"f 1 2 3.0 644 0 0 a\0", b"", b""),
+        treecheck.Listing(b"f 1 2 3.0 644 0 0\0", b"3.0\n", b"1 \0"),
+        treecheck.Listing(b"f x 2 3.0 644 0 0 a\0", b"3.0\n", b"1 \0"),
+        treecheck.Listing(b"f 1 2 3.0 644 0 0 a", b"3.0\n", b"1 \0"),
+    ],
+    ids=["outputs-of-other-lengths", "record-short-of-a-field", "not-a-number", "record-cut-off"],
+)
+def test_a_listing_that_does_not_parse_is_not_compared_the_tree_is_walked_instead(listing, tmp_path):
+    assert treecheck.compared_listing(tmp_path, [], listing) is None
 
 
 @needs_py312

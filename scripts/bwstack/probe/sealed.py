@@ -110,58 +110,65 @@ class Stamp:
     method: str
     digest: str
     newest_change: int  # the newest inode change time (ns) of the paths walked (0: not known)
+    listing: treecheck.Listing | None = None  # what the walk printed, when kept (find only)
 
 
-def generation_stamp(env: Path, method: str | None = None) -> Stamp:
+def generation_stamp(env: Path, method: str | None = None, keep: bool = False) -> Stamp:
     """tree_stamp() of a generation's env, with the newest inode change time among its paths. The ctime is not in
     the digest (a later build's hard links to the same files move it, which a stamp recorded at build time must
     survive); it says whether any file changed after the generation's bytes were last compared
-    (hashed_before)."""
-    return _walk_stamp(env, method, None, False, newest=True)
-
-
-def _ns(text: bytes) -> int:
-    whole, _, frac = text.partition(b".")
-    return int(whole) * 1_000_000_000 + int((frac[:9] or b"0").ljust(9, b"0"))
+    (hashed_before). `keep`: the walk's listing is kept with it (when find made it), for a comparison with the
+    manifest without walking again."""
+    return _walk_stamp(env, method, None, False, newest=True, keep=keep)
 
 
 def _walk_stamp(
-    env: Path, method: str | None, max_paths: int | None, follow_links: bool, newest: bool = False
+    env: Path, method: str | None, max_paths: int | None, follow_links: bool, newest: bool = False, keep: bool = False
 ) -> Stamp:
     find = shutil.which("find") if method in (None, "find") else None
     if follow_links and find is None:
         return Stamp("python", UNREADABLE, 0)
     if find is not None:
         digest = hashlib.sha256()
-        fmt = "%y %i %s %T@ %m %U %G %P\\0"
+        fmt = treecheck.FIND_RECORD
         if follow_links:  # a stamp only compared with itself: the inode change time too
             fmt = "%y %i %s %T@ %C@ %m %U %G %P\\0"
         cmd = [find, *(["-L"] if follow_links else []), str(env), "-printf", fmt]
         listed, latest = 0, 0
-        # The change times, kept out of the digest, go to a second output of the same walk (an in-memory file).
+        kept: list[bytes] | None = [] if keep and newest and not follow_links else None
+        # The change times, kept out of the digest, go to a second output of the same walk (an in-memory file), and
+        # for a kept listing each path's device and link target to a third.
         ctimes = os.memfd_create("bwstack-ctimes", os.MFD_CLOEXEC) if newest else None
+        extras = os.memfd_create("bwstack-extras", os.MFD_CLOEXEC) if kept is not None else None
+        outputs = tuple(fd for fd in (ctimes, extras) if fd is not None)
         try:
             if ctimes is not None:
-                cmd += ["-fprintf", f"/dev/fd/{ctimes}", "%C@\\n"]
-            with subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, pass_fds=(ctimes,) if ctimes is not None else ()
-            ) as proc:
+                cmd += ["-fprintf", f"/dev/fd/{ctimes}", treecheck.FIND_CHANGE]
+            if extras is not None:
+                cmd += ["-fprintf", f"/dev/fd/{extras}", treecheck.FIND_EXTRA]
+            with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, pass_fds=outputs) as proc:
                 assert proc.stdout is not None
                 while chunk := proc.stdout.read(1 << 20):
                     digest.update(chunk)
+                    if kept is not None:
+                        kept.append(chunk)
                     listed += chunk.count(b"\0")
                     if max_paths is not None and listed > max_paths:
                         proc.kill()
                         return Stamp("find", UNREADABLE, 0)
+            changes = os.pread(ctimes, os.fstat(ctimes).st_size, 0) if ctimes is not None else b""
             if ctimes is not None:
                 # Seconds with ten decimals each: with as many digits before the point, the larger text is later.
-                times = os.pread(ctimes, os.fstat(ctimes).st_size, 0).split()
-                latest = _ns(max(times, key=lambda t: (t.find(b"."), t))) if times else 0
+                times = changes.split()
+                latest = treecheck.find_time_ns(max(times, key=lambda t: (t.find(b"."), t))) if times else 0
+            listing = None
+            if kept is not None and extras is not None:
+                listing = treecheck.Listing(b"".join(kept), changes, os.pread(extras, os.fstat(extras).st_size, 0))
         finally:
-            if ctimes is not None:
-                os.close(ctimes)
+            for fd in outputs:
+                os.close(fd)
         if proc.returncode == 0:
-            return Stamp("find", digest.hexdigest(), latest)
+            return Stamp("find", digest.hexdigest(), latest, listing)
         if method == "find" or follow_links:
             return Stamp("find", UNREADABLE, 0)
     digest = hashlib.sha256()
@@ -254,7 +261,7 @@ def _tree_changed(gen: Path, tree: dict) -> str | None:
     new inodes, a later build's hard links to the same files): the facts hold, the new stamp is remembered in the
     store's cache and the moment of the comparison recorded, so the next run is quick again."""
     method, digest = tree.get("method"), tree.get("digest")
-    walked = generation_stamp(gen / "env", method)
+    walked = generation_stamp(gen / "env", method, keep=True)
     now = (walked.method, walked.digest)
     readable = walked.digest != UNREADABLE and digest != UNREADABLE
     before = hashed_before(gen)
@@ -269,7 +276,13 @@ def _tree_changed(gen: Path, tree: dict) -> str | None:
     if rows is None:
         return f"generation {gen.name} changed since it was sealed (its manifest is unreadable or malformed)"
     try:
-        found = treecheck.compared(gen / "env", rows, first_only=True, changed_since=before).found
+        # The walk that took the stamp listed every path: compared from that listing, walked again only without it.
+        got = None
+        if walked.listing is not None:
+            got = treecheck.compared_listing(gen / "env", rows, walked.listing, first_only=True, changed_since=before)
+        if got is None:
+            got = treecheck.compared(gen / "env", rows, first_only=True, changed_since=before)
+        found = got.found
     except (OSError, ValueError) as exc:  # a path that vanished or changed kind while it was compared
         return f"generation {gen.name} changed while it was compared with its manifest ({exc})"
     answer = f"generation {gen.name} changed since it was sealed (env/{found[0][0]}: {found[0][1]})" if found else True

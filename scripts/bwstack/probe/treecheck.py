@@ -23,6 +23,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 CHUNK = 4 << 20
 MAX_MANIFEST_BYTES = 512 << 20
@@ -46,7 +47,9 @@ def sha256_file(path: str | os.PathLike, *, follow_links: bool = False) -> str:
 
 
 def _whole(n: object) -> bool:
-    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+    # type() rather than isinstance: a bool is an int subclass, and a manifest of 90,000 rows calls this 500,000
+    # times (json gives exact ints).
+    return type(n) is int and n >= 0
 
 
 def valid_row(row: object) -> bool:
@@ -188,25 +191,50 @@ def describe_mode(mode: int) -> str:
     return f"{mode:04o}" + (f" ({', '.join(notes)})" if notes else "")
 
 
+class Seen(NamedTuple):
+    """One path as a walk found it: what the comparison with its row reads. `target` is a link's target, read
+    when the comparison needs it (None: read it from the path then)."""
+
+    rel: str
+    kind: str
+    mode: int  # permission bits (stat.S_IMODE)
+    uid: int
+    gid: int
+    size: int
+    ino: int
+    mtime_ns: int
+    ctime_ns: int
+    dev: int
+    target: str | None = None
+
+
+def seen(rel: str, st: os.stat_result) -> Seen:
+    return Seen(rel, kind_of(st), stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, st.st_size, st.st_ino,
+                st.st_mtime_ns, st.st_ctime_ns, st.st_dev)  # fmt: skip
+
+
 def compare(root: Path, rel: str, st: os.stat_result, row: Sequence, legacy: bool = False) -> str | None:
     """What differs between one path and its row, besides its bytes (None: nothing)."""
+    return _differs(root, seen(rel, st), row, legacy)
+
+
+def _differs(root: Path, path: Seen, row: Sequence, legacy: bool) -> str | None:
     _path, want_kind, size, want_mode, sha, _ino, _mtime, uid, gid = (*row, None, None)[:9]
-    kind = kind_of(st)
+    kind, mode = path.kind, path.mode
     if kind != want_kind:
         return f"is {NAMES[kind]}, manifest says {NAMES.get(want_kind, want_kind)}"
     if kind == "l":
-        target = os.readlink(Path(root) / rel)
+        target = path.target if path.target is not None else os.readlink(Path(root) / path.rel)
         if target != sha:
             return f"symlink now points to {target!r}, manifest says {sha!r}"
-    mode = stat.S_IMODE(st.st_mode)
     if kind != "l" and mode != want_mode and not (legacy and kind == "d"):
         return f"mode {describe_mode(mode)}, manifest says {want_mode:04o}"
     if kind == "d" and mode & 0o022:
         return f"mode {describe_mode(mode)}: a sealed generation has nothing group- or world-writable"
-    if uid is not None and (st.st_uid, st.st_gid) != (uid, gid):
-        return f"owner {st.st_uid}:{st.st_gid}, manifest says {uid}:{gid}"
-    if kind == "f" and st.st_size != size:
-        return f"size {st.st_size}, manifest says {size}"
+    if uid is not None and (path.uid, path.gid) != (uid, gid):
+        return f"owner {path.uid}:{path.gid}, manifest says {uid}:{gid}"
+    if kind == "f" and path.size != size:
+        return f"size {path.size}, manifest says {size}"
     return None
 
 
@@ -243,35 +271,75 @@ def compared(
     needs to know whether one exists). `changed_since` (ns): a file whose inode changed after that moment (its
     ctime) is hashed too, whatever its inode and mtime say: rewriting a file in place and putting its mtime back
     leaves both as they were, and only the ctime moves."""
+    walked = (
+        seen(rel, st)
+        for rel, st in walk(root, skip_top=skip_top, skip_dirs=("__pycache__",) if legacy else ())
+        if not (legacy and rel == ".")
+    )
+    return _compared(root, walked, rows, depth, workers, legacy, first_only, changed_since)
+
+
+def compared_listing(
+    root: Path,
+    rows: Iterable[Sequence],
+    listing: Listing,
+    *,
+    first_only: bool = False,
+    changed_since: int | None = None,
+) -> Compared | None:
+    """compared() of a tree a find walk has just listed (the generation stamp's walk, sealed.py): the same
+    comparison, read from what find printed instead of a second walk of lstat calls (0.12 s against 0.7 s for
+    88,000 paths). With first_only, the difference named is the first by path, not by walk order. None when the
+    listing does not parse (the caller walks instead)."""
+    paths = listing.parsed()
+    if paths is None:
+        return None
+    # Every path is compared before a first difference is named (cheap here): the first by path, not by the
+    # order find happened to list them in.
+    return _compared(root, iter(paths), rows, "quick", None, False, first_only, changed_since, whole_walk=True)
+
+
+def _compared(
+    root: Path,
+    paths: Iterator[Seen],
+    rows: Iterable[Sequence],
+    depth: str,
+    workers: int | None,
+    legacy: bool,
+    first_only: bool,
+    changed_since: int | None,
+    whole_walk: bool = False,
+) -> Compared:
     expected = {row[0]: row for row in rows}
     found: list[tuple[str, str]] = []
     suspects: list[Sequence] = []
-    seen: set[str] = set()
+    visited: set[str] = set()
     newest = 0
-    device = os.lstat(root).st_dev
-    for rel, st in walk(root, skip_top=skip_top, skip_dirs=("__pycache__",) if legacy else ()):
-        if legacy and rel == ".":
-            continue
-        seen.add(rel)
-        newest = max(newest, st.st_ctime_ns)
+    device: int | None = None
+    for path in paths:
+        rel = path.rel
+        if device is None:  # the root comes first
+            device = path.dev if rel == "." else os.lstat(root).st_dev
+        visited.add(rel)
+        newest = max(newest, path.ctime_ns)
         row = expected.get(rel)
         what = "not in the manifest (added after the generation was sealed)" if row is None else None
-        if st.st_dev != device:  # its server answers stats and reads as it likes: nothing below it can be believed
+        if path.dev != device:  # its server answers stats and reads as it likes: nothing below it can be believed
             what = "another filesystem is mounted here (its files could change without a trace)"
-        what = what or compare(root, rel, st, row, legacy)
+        what = what or _differs(root, path, row, legacy)
         if what:
             found.append((rel, what))
-            if first_only:
+            if first_only and not whole_walk:
                 return Compared(found, newest)
         elif row[1] == "f" and (
             depth == "full"
-            or (st.st_ino, st.st_mtime_ns) != (row[5], row[6])
-            or (changed_since is not None and st.st_ctime_ns > changed_since)
+            or (path.ino, path.mtime_ns) != (row[5], row[6])
+            or (changed_since is not None and path.ctime_ns > changed_since)
         ):
             suspects.append(row)
-    found += [(rel, "missing") for rel in sorted(set(expected) - seen)]
+    found += [(rel, "missing") for rel in sorted(set(expected) - visited)]
     if found and first_only:
-        return Compared(found[:1], newest)
+        return Compared(sorted(found)[:1], newest)
     pool = ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 2)
     try:
         for row, sha in zip(suspects, pool.map(lambda r: _safe_hash(Path(root) / r[0]), suspects), strict=True):
@@ -282,3 +350,49 @@ def compared(
     finally:
         pool.shutdown(cancel_futures=True)  # after a first difference, the files not hashed yet stay so
     return Compared(sorted(found), newest)
+
+
+_FIND_KINDS = {b"f": "f", b"d": "d", b"l": "l"}
+
+
+def find_time_ns(text: bytes) -> int:
+    """Nanoseconds of a time find printed as seconds with a fraction (%T@, %C@: ten decimals)."""
+    whole, _, frac = text.partition(b".")
+    if len(frac) == 10 and whole[:1] != b"-":  # what GNU find prints: one conversion (170,000 per listing)
+        return int(whole + frac[:9])
+    return int(whole) * 1_000_000_000 + int((frac[:9] or b"0").ljust(9, b"0"))
+
+
+@dataclass(frozen=True)
+class Listing:
+    """What one GNU find walk printed for every path, in walk order, in three outputs: FIND_RECORD (the tree
+    stamp's records), FIND_CHANGE (each path's inode change time) and FIND_EXTRA (its device and link target)."""
+
+    records: bytes
+    changes: bytes
+    extras: bytes
+
+    def parsed(self) -> list[Seen] | None:
+        records = self.records.split(b"\0")
+        changes = self.changes.split()
+        extras = self.extras.split(b"\0")
+        if records[-1] or extras[-1] or not (len(records) - 1 == len(changes) == len(extras) - 1):
+            return None
+        paths = []
+        try:
+            for record, change, extra in zip(records, changes, extras, strict=False):
+                kind, ino, size, mtime, mode, uid, gid, rel = record.split(b" ", 7)
+                dev, _, target = extra.partition(b" ")
+                name = os.fsdecode(rel) or "."
+                paths.append(Seen(name, _FIND_KINDS.get(kind, "?"), int(mode, 8), int(uid), int(gid), int(size),
+                                  int(ino), find_time_ns(mtime), find_time_ns(change), int(dev),
+                                  os.fsdecode(target) if kind == b"l" else None))  # fmt: skip
+        except ValueError:  # a record that is not what the formats print
+            return None
+        return paths
+
+
+# The three outputs of the walk a Listing is read from (find -printf / -fprintf formats).
+FIND_RECORD = "%y %i %s %T@ %m %U %G %P\\0"
+FIND_CHANGE = "%C@\\n"
+FIND_EXTRA = "%D %l\\0"
