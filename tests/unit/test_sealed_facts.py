@@ -3,6 +3,7 @@ generation and the host are unchanged, and read from the files again (cold) once
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -315,6 +316,39 @@ def test_the_comparison_read_from_the_stamps_own_walk_finds_what_a_second_walk_f
     assert bool(walked.found) == (tamper not in (_nothing, _touch)), walked.found
 
 
+def _spliced(listing: treecheck.Listing, earlier: treecheck.Listing, rel: str) -> treecheck.Listing:
+    """`listing` with the entry of `rel` as `earlier` listed it: what one find walk prints when the file changed
+    after the walk listed it."""
+    outputs = [(o.records.split(b"\0"), o.changes.split(b"\n"), o.extras.split(b"\0")) for o in (listing, earlier)]
+    name = os.fsencode(rel)
+    (records, changes, extras), (old_records, old_changes, old_extras) = outputs
+    i = next(n for n, r in enumerate(records) if r.split(b" ", 7)[-1] == name)
+    j = next(n for n, r in enumerate(old_records) if r.split(b" ", 7)[-1] == name)
+    records[i], changes[i], extras[i] = old_records[j], old_changes[j], old_extras[j]
+    return treecheck.Listing(b"\0".join(records), b"\n".join(changes), b"\0".join(extras))
+
+
+@needs_py312
+def test_a_file_rewritten_in_place_while_the_stamps_walk_ran_is_still_hashed(built, monkeypatch):
+    """The walk listed the file, then it was rewritten in place with its mtime put back, then a path listed later
+    was touched: the walk's newest inode change time covers the rewrite, and its listing shows the file as sealed.
+    That listing alone would find the tree whole and record it so: a second walk decides."""
+    gen = _generation(built)
+    env = gen / "env"
+    first = sealed.generation_stamp(env, keep=True)
+    rewritten = _rewrite_keeping_mtime(gen)
+    later = next(p for p in sorted((env / "bin").iterdir()) if p.is_file() and not p.is_symlink())
+    os.utime(later, ns=(os.lstat(later).st_atime_ns, os.lstat(later).st_mtime_ns))  # its ctime moves
+    walked = sealed.generation_stamp(env, keep=True)
+    assert first.listing is not None and walked.listing is not None
+    spliced = _spliced(walked.listing, first.listing, str(rewritten.relative_to(env)))
+    rows, before = sealed._manifest_rows_under_env(gen), sealed.hashed_before(gen)
+    assert treecheck.compared_listing(env, rows, spliced, changed_since=before).found == []  # the danger
+    monkeypatch.setattr(sealed, "generation_stamp", lambda *a, **k: dataclasses.replace(walked, listing=spliced))
+    why = sealed.unchanged_generation(built.ml_env)
+    assert why is not None and "content changed" in why, why
+
+
 @pytest.mark.parametrize(
     "listing",
     [
@@ -322,9 +356,11 @@ def test_the_comparison_read_from_the_stamps_own_walk_finds_what_a_second_walk_f
         treecheck.Listing(b"f 1 2 3.0 644 0 0\0", b"3.0\n", b"1 \0"),
         treecheck.Listing(b"f x 2 3.0 644 0 0 a\0", b"3.0\n", b"1 \0"),
         treecheck.Listing(b"f 1 2 3.0 644 0 0 a", b"3.0\n", b"1 \0"),
+        treecheck.Listing(b"f 1 2 3.5 644 0 0 a\0", b"3.5000000000\n", b"1 \0"),
     ],
-    ids=["outputs-of-other-lengths", "record-short-of-a-field", "not-a-number", "record-cut-off"],
-)
+    ids=["outputs-of-other-lengths", "record-short-of-a-field", "not-a-number", "record-cut-off",
+         "time-without-ten-decimals"],
+)  # fmt: skip
 def test_a_listing_that_does_not_parse_is_not_compared_the_tree_is_walked_instead(listing, tmp_path):
     assert treecheck.compared_listing(tmp_path, [], listing) is None
 

@@ -276,13 +276,19 @@ def _tree_changed(gen: Path, tree: dict) -> str | None:
     if rows is None:
         return f"generation {gen.name} changed since it was sealed (its manifest is unreadable or malformed)"
     try:
-        # The walk that took the stamp listed every path: compared from that listing, walked again only without it.
-        got = None
+        # The walk that took the stamp listed every path: a difference it shows is found from that listing. Only a
+        # second walk may find the tree whole: a file rewritten in place while the first walk ran, after it was
+        # listed, and a later path touched, would be vouched for by that walk's newest inode change time (which is
+        # what is recorded below) without its bytes compared. Every change up to that time is done before the second
+        # walk starts, and that walk sees it.
+        found = []
         if walked.listing is not None:
-            got = treecheck.compared_listing(gen / "env", rows, walked.listing, first_only=True, changed_since=before)
-        if got is None:
-            got = treecheck.compared(gen / "env", rows, first_only=True, changed_since=before)
-        found = got.found
+            listed = treecheck.compared_listing(
+                gen / "env", rows, walked.listing, first_only=True, changed_since=before
+            )
+            found = listed.found if listed is not None else []
+        if not found:
+            found = treecheck.compared(gen / "env", rows, first_only=True, changed_since=before).found
     except (OSError, ValueError) as exc:  # a path that vanished or changed kind while it was compared
         return f"generation {gen.name} changed while it was compared with its manifest ({exc})"
     answer = f"generation {gen.name} changed since it was sealed (env/{found[0][0]}: {found[0][1]})" if found else True

@@ -290,13 +290,18 @@ def compared_listing(
     """compared() of a tree a find walk has just listed (the generation stamp's walk, sealed.py): the same
     comparison, read from what find printed instead of a second walk of lstat calls (0.12 s against 0.7 s for
     88,000 paths). With first_only, the difference named is the first by path, not by walk order. None when the
-    listing does not parse (the caller walks instead)."""
+    listing does not parse (the caller walks instead). What it finds differs; what it finds whole was whole as
+    each path was listed, which a change during the walk can make untrue by the walk's end (sealed.py says when
+    that matters)."""
     paths = listing.parsed()
     if paths is None:
         return None
     # Every path is compared before a first difference is named (cheap here): the first by path, not by the
     # order find happened to list them in.
-    return _compared(root, iter(paths), rows, "quick", None, False, first_only, changed_since, whole_walk=True)
+    try:
+        return _compared(root, paths, rows, "quick", None, False, first_only, changed_since, whole_walk=True)
+    except _Unlisted:
+        return None
 
 
 def _compared(
@@ -331,6 +336,8 @@ def _compared(
             found.append((rel, what))
             if first_only and not whole_walk:
                 return Compared(found, newest)
+            if first_only:  # only the first by path is named: a tree of a million new files keeps one
+                found = [min(found)]
         elif row[1] == "f" and (
             depth == "full"
             or (path.ino, path.mtime_ns) != (row[5], row[6])
@@ -372,24 +379,42 @@ class Listing:
     changes: bytes
     extras: bytes
 
-    def parsed(self) -> list[Seen] | None:
+    def parsed(self) -> Iterator[Seen] | None:
+        """The paths, read one at a time as they are compared (a list of them held 0.6 KB a path); None when the
+        three outputs do not hold one entry each for the same paths. A record that is not what the formats print
+        raises ValueError as it is read."""
         records = self.records.split(b"\0")
         changes = self.changes.split()
         extras = self.extras.split(b"\0")
         if records[-1] or extras[-1] or not (len(records) - 1 == len(changes) == len(extras) - 1):
             return None
-        paths = []
+        return _seen_in(records[:-1], changes, extras[:-1])
+
+
+class _Unlisted(ValueError):
+    """A listing record that is not what the formats print: the tree is walked instead."""
+
+
+def _seen_in(records: list[bytes], changes: list[bytes], extras: list[bytes]) -> Iterator[Seen]:
+    for record, change, extra in zip(records, changes, extras, strict=True):
         try:
-            for record, change, extra in zip(records, changes, extras, strict=False):
-                kind, ino, size, mtime, mode, uid, gid, rel = record.split(b" ", 7)
-                dev, _, target = extra.partition(b" ")
-                name = os.fsdecode(rel) or "."
-                paths.append(Seen(name, _FIND_KINDS.get(kind, "?"), int(mode, 8), int(uid), int(gid), int(size),
-                                  int(ino), find_time_ns(mtime), find_time_ns(change), int(dev),
-                                  os.fsdecode(target) if kind == b"l" else None))  # fmt: skip
-        except ValueError:  # a record that is not what the formats print
-            return None
-        return paths
+            kind, ino, size, mtime, mode, uid, gid, rel = record.split(b" ", 7)
+            dev, _, target = extra.partition(b" ")
+            path = Seen(os.fsdecode(rel) or ".", _FIND_KINDS.get(kind, "?"), int(mode, 8), int(uid), int(gid),
+                        int(size), int(ino), _listed_ns(mtime), _listed_ns(change), int(dev),
+                        os.fsdecode(target) if kind == b"l" else None)  # fmt: skip
+        except ValueError as exc:
+            raise _Unlisted(str(exc)) from None
+        yield path
+
+
+def _listed_ns(text: bytes) -> int:
+    """A listed time, only as GNU find prints it (ten decimals): a find that printed fewer (whole seconds) would
+    make a changed file's time read earlier than it is, so that it would not be hashed."""
+    _seconds, dot, frac = text.partition(b".")
+    if not dot or len(frac) != 10 or not frac.isdigit():
+        raise ValueError(f"a time find did not print with ten decimals: {text[:40]!r}")
+    return find_time_ns(text)
 
 
 # The three outputs of the walk a Listing is read from (find -printf / -fprintf formats).
