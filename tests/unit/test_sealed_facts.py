@@ -344,7 +344,13 @@ def test_a_file_rewritten_in_place_while_the_stamps_walk_ran_is_still_hashed(bui
     spliced = _spliced(walked.listing, first.listing, str(rewritten.relative_to(env)))
     rows, before = sealed._manifest_rows_under_env(gen), sealed.hashed_before(gen)
     assert treecheck.compared_listing(env, rows, spliced, changed_since=before).found == []  # the danger
-    monkeypatch.setattr(sealed, "generation_stamp", lambda *a, **k: dataclasses.replace(walked, listing=spliced))
+    real_walk, walks = sealed.generation_stamp, []
+
+    def interleaved_then_real(*args, **kwargs):  # the first walk is the interleaved one, later walks are real
+        walks.append(args)
+        return dataclasses.replace(walked, listing=spliced) if len(walks) == 1 else real_walk(*args, **kwargs)
+
+    monkeypatch.setattr(sealed, "generation_stamp", interleaved_then_real)
     why = sealed.unchanged_generation(built.ml_env)
     assert why is not None and "content changed" in why, why
 

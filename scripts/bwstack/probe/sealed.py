@@ -276,18 +276,19 @@ def _tree_changed(gen: Path, tree: dict) -> str | None:
     if rows is None:
         return f"generation {gen.name} changed since it was sealed (its manifest is unreadable or malformed)"
     try:
-        # The walk that took the stamp listed every path: a difference it shows is found from that listing. Only a
-        # second walk may find the tree whole: a file rewritten in place while the first walk ran, after it was
-        # listed, and a later path touched, would be vouched for by that walk's newest inode change time (which is
-        # what is recorded below) without its bytes compared. Every change up to that time is done before the second
-        # walk starts, and that walk sees it.
-        found = []
+        # The walk that took the stamp listed every path: a difference it shows is found from that listing. It may
+        # find the tree whole only if a second walk lists every path exactly as it did, inode change times
+        # included: a file rewritten in place while the first walk ran, after it was listed, with a later path
+        # touched, would otherwise be vouched for by that walk's newest change time (recorded below) with its
+        # bytes never compared. With the same listing twice, every path was as listed when the first walk ended.
+        found = None
         if walked.listing is not None:
             listed = treecheck.compared_listing(
                 gen / "env", rows, walked.listing, first_only=True, changed_since=before
             )
-            found = listed.found if listed is not None else []
-        if not found:
+            if listed is not None and (listed.found or _listed_again(gen / "env", method, walked.listing)):
+                found = listed.found
+        if found is None:
             found = treecheck.compared(gen / "env", rows, first_only=True, changed_since=before).found
     except (OSError, ValueError) as exc:  # a path that vanished or changed kind while it was compared
         return f"generation {gen.name} changed while it was compared with its manifest ({exc})"
@@ -297,6 +298,12 @@ def _tree_changed(gen: Path, tree: dict) -> str | None:
     if answer is True and readable and _beside_env_as_sealed(gen):
         record_hashed(gen, walked.newest_change)  # every change up to the walk has had its bytes compared
     return None if answer is True else answer
+
+
+def _listed_again(env: Path, method: str | None, listing: treecheck.Listing) -> bool:
+    """A second walk of `env` lists every path exactly as `listing` does (kind, inode, size, times, mode,
+    owner, device, link target)."""
+    return generation_stamp(env, method, keep=True).listing == listing
 
 
 def _beside_env_as_sealed(gen: Path) -> bool:
