@@ -355,6 +355,15 @@ def test_a_file_rewritten_in_place_while_the_stamps_walk_ran_is_still_hashed(bui
     assert why is not None and "content changed" in why, why
 
 
+@needs_py312
+def test_a_comparison_never_records_a_moment_later_than_the_filesystems_now(built):
+    """A newest inode change time that lies ahead (a clock stepped back since it was set) would vouch for changes
+    not made yet."""
+    gen = _generation(built)
+    sealed.record_hashed(gen, time.time_ns() + 3600 * 10**9)
+    assert sealed.hashed_before(gen) <= time.time_ns()
+
+
 @pytest.mark.parametrize(
     "listing",
     [

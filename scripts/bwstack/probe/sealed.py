@@ -364,9 +364,9 @@ def hashed_before(gen: Path) -> int:
 
 
 def record_hashed(gen: Path, moment: int | None) -> None:
-    """Best effort, the store's owner only: every change up to `moment` has had its bytes compared. None: up to
-    now, read from the filesystem's own clock (the inode change time of the record as it is written, less one).
-    Inode times come from the file server's clock on a network filesystem and from a coarse tick on some
+    """Best effort, the store's owner only: every change up to `moment` (at most now) has had its bytes compared.
+    None: up to now, read from the filesystem's own clock (the inode change time of the record as it is written,
+    less one). Inode times come from the file server's clock on a network filesystem and from a coarse tick on some
     kernels: a change just after a reading of time.time_ns() could carry an earlier time and be vouched for. Less
     one: a change in the same tick as the record counts as later."""
     path = _hashed_path(gen)
@@ -379,11 +379,13 @@ def record_hashed(gen: Path, moment: int | None) -> None:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         with os.fdopen(fd, "w") as out:
-            if moment is None:
-                moment = os.fstat(out.fileno()).st_ctime_ns - 1
-                if moment <= hashed_before(gen):
-                    os.unlink(tmp)
-                    return
+            # Never later than the filesystem's now: a path whose inode change time lies ahead (a clock stepped back
+            # since, a file server's clock running ahead) would otherwise vouch for changes not made yet.
+            now = os.fstat(out.fileno()).st_ctime_ns - 1
+            moment = now if moment is None else min(moment, now)
+            if moment <= hashed_before(gen):
+                os.unlink(tmp)
+                return
             out.write(f"{moment}\n")
         os.replace(tmp, path)
     except OSError:
