@@ -187,6 +187,9 @@ def _write_lock_with_unpatched_twin(path: Path) -> None:
     """The real lock plus `cu128-unpatched`: the same closure without the SM120 patch, a second real
     generation that installs in seconds from the warm cache."""
     doc = yaml.safe_load(REAL_LOCK.read_text())
+    # The toolkit goes beside the store, not to the lock's /usr/local/cuda-12.8: a test writes nothing outside its
+    # own folders (the home is in no digest, so the closures stay the lock's).
+    doc["profiles"]["cu128"]["cuda"]["home"] = str(path.parent / "cuda" / "cuda-12.8")
     twin = json.loads(json.dumps(doc["profiles"]["cu128"]))
     twin["patches"] = []
     twin["description"] = "TEST: the cu128 profile without the SM120 patch"
