@@ -465,10 +465,10 @@ class Bench:
 
         def outcome(kind: str, note: str) -> dict:
             """A verify that failed (a check, or the command) timed something other than a working env's verify."""
-            failed = [c for c in codes["first"] + codes[kind] if c]
-            if not failed:
+            exits = codes["first"] + codes[kind]
+            if not any(exits):
                 return {"note": note}
-            return {"note": f"{note}; exit codes {codes['first'] + codes[kind]}", "outcome": Outcome.FAILED}
+            return {"note": f"{note}; exit codes {exits}", "outcome": Outcome.FAILED}
 
         return [
             Figure("P5", "verify, unchanged sealed generation (whole command)", warm, goal="<= 2 s",

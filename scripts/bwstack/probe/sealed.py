@@ -156,8 +156,9 @@ def _walk_stamp(
                     if max_paths is not None and listed > max_paths:
                         proc.kill()
                         return Stamp("find", UNREADABLE, 0)
-            changes = os.pread(ctimes, os.fstat(ctimes).st_size, 0) if ctimes is not None else b""
+            changes = b""
             if ctimes is not None:
+                changes = os.pread(ctimes, os.fstat(ctimes).st_size, 0)
                 # Seconds with ten decimals each: with as many digits before the point, the larger text is later.
                 times = changes.split()
                 latest = treecheck.find_time_ns(max(times, key=lambda t: (t.find(b"."), t))) if times else 0
